@@ -1,0 +1,385 @@
+//! Control messages from a frontend to one of its iothreads, over a `SOCK_SEQPACKET` UNIX
+//! socket pair (one datagram per message, file descriptors as `SCM_RIGHTS`).
+//!
+//! Every request is answered by one [`ControlReply`]. Message layout (little-endian):
+//!
+//! | message | bytes | fds |
+//! |---|---|---|
+//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32 | ring memfd, submit eventfd, complete eventfd, image fd, [O_DIRECT image fd] |
+//! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64) | one per region, in index order |
+//! | `Shutdown` | tag 3: u32 | — |
+//! | reply | tag 0x80: u32, errno: i32 (0 = success) | — |
+//!
+//! The frontend only sends `SetMemoryTable` while no request of that iothread is in flight, so
+//! the iothread can swap its mappings without any lock on the I/O path.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// The most memory regions a table may have (the frontend advertises this many mem slots).
+pub const MAX_MEMORY_REGIONS: usize = 32;
+/// The most file descriptors one message carries.
+pub const MAX_FDS: usize = MAX_MEMORY_REGIONS;
+/// The largest encoded message.
+pub const MAX_MESSAGE_SIZE: usize = 8 + 16 * MAX_MEMORY_REGIONS;
+
+const TAG_SETUP: u32 = 1;
+const TAG_SET_MEMORY_TABLE: u32 = 2;
+const TAG_SHUTDOWN: u32 = 3;
+const TAG_REPLY: u32 = 0x80;
+
+/// `Setup` flag: a fifth fd, the image opened with O_DIRECT, follows.
+pub const SETUP_FLAG_DIRECT_FD: u32 = 1;
+
+/// Errors of the control channel.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The socket failed.
+    #[error("control socket: {0}")]
+    Io(#[from] io::Error),
+    /// The peer closed the socket (it exited or died).
+    #[error("control peer closed the connection")]
+    Closed,
+    /// A message that does not decode.
+    #[error("malformed control message: {0}")]
+    Malformed(&'static str),
+    /// A message with the wrong number of file descriptors.
+    #[error("control message carries {got} fds, expected {expected}")]
+    FdCount {
+        /// Received.
+        got: usize,
+        /// Expected.
+        expected: usize,
+    },
+    /// The peer answered with an error.
+    #[error("iothread refused the request: {0}")]
+    Refused(io::Error),
+}
+
+type Result<T> = std::result::Result<T, ControlError>;
+
+/// One guest memory region as the iothread maps it: the whole `size` bytes from `mmap_offset`
+/// of the region's fd. Segments refer to regions by their index in the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryRegionSpec {
+    /// Bytes to map.
+    pub size: u64,
+    /// Offset of the mapping in the fd.
+    pub mmap_offset: u64,
+}
+
+/// A request from the frontend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlRequest {
+    /// First message after spawn: the ring, eventfds and image.
+    Setup {
+        /// `SETUP_FLAG_*` bits.
+        flags: u32,
+        /// The image's logical block size; O_DIRECT is used only for buffers aligned to it.
+        logical_block_size: u32,
+    },
+    /// Replaces the whole memory table.
+    SetMemoryTable(Vec<MemoryRegionSpec>),
+    /// Exit cleanly.
+    Shutdown,
+}
+
+impl ControlRequest {
+    /// How many fds must travel with this request.
+    pub fn expected_fds(&self) -> usize {
+        match self {
+            Self::Setup { flags, .. } => 4 + usize::from(flags & SETUP_FLAG_DIRECT_FD != 0),
+            Self::SetMemoryTable(regions) => regions.len(),
+            Self::Shutdown => 0,
+        }
+    }
+
+    /// Encodes the message body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(MAX_MESSAGE_SIZE);
+        match self {
+            Self::Setup {
+                flags,
+                logical_block_size,
+            } => {
+                out.extend_from_slice(&TAG_SETUP.to_le_bytes());
+                out.extend_from_slice(&flags.to_le_bytes());
+                out.extend_from_slice(&logical_block_size.to_le_bytes());
+            }
+            Self::SetMemoryTable(regions) => {
+                out.extend_from_slice(&TAG_SET_MEMORY_TABLE.to_le_bytes());
+                out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+                for region in regions {
+                    out.extend_from_slice(&region.size.to_le_bytes());
+                    out.extend_from_slice(&region.mmap_offset.to_le_bytes());
+                }
+            }
+            Self::Shutdown => out.extend_from_slice(&TAG_SHUTDOWN.to_le_bytes()),
+        }
+        out
+    }
+
+    /// Decodes a message body.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let mut reader = Reader(bytes);
+        let message = match reader.u32()? {
+            TAG_SETUP => Self::Setup {
+                flags: reader.u32()?,
+                logical_block_size: reader.u32()?,
+            },
+            TAG_SET_MEMORY_TABLE => {
+                let count = reader.u32()? as usize;
+                if count > MAX_MEMORY_REGIONS {
+                    return Err(ControlError::Malformed("too many memory regions"));
+                }
+                let mut regions = Vec::with_capacity(count);
+                for _ in 0..count {
+                    regions.push(MemoryRegionSpec {
+                        size: reader.u64()?,
+                        mmap_offset: reader.u64()?,
+                    });
+                }
+                Self::SetMemoryTable(regions)
+            }
+            TAG_SHUTDOWN => Self::Shutdown,
+            _ => return Err(ControlError::Malformed("unknown tag")),
+        };
+        if !reader.0.is_empty() {
+            return Err(ControlError::Malformed("trailing bytes"));
+        }
+        Ok(message)
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let (head, rest) = self
+            .0
+            .split_first_chunk::<N>()
+            .ok_or(ControlError::Malformed("message too short"))?;
+        self.0 = rest;
+        Ok(*head)
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        self.take::<4>().map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        self.take::<8>().map(u64::from_le_bytes)
+    }
+}
+
+/// Sends `request` with `fds` (which must number [`ControlRequest::expected_fds`]).
+pub fn send_request(socket: &UnixStream, request: &ControlRequest, fds: &[RawFd]) -> Result<()> {
+    if fds.len() != request.expected_fds() {
+        return Err(ControlError::FdCount {
+            got: fds.len(),
+            expected: request.expected_fds(),
+        });
+    }
+    let body = request.encode();
+    socket
+        .send_with_fds(&[body.as_slice()], fds)
+        .map_err(|e| ControlError::Io(io::Error::from_raw_os_error(e.errno())))?;
+    Ok(())
+}
+
+/// Receives one request and the fds that came with it. Every received fd is owned by the
+/// returned `File`s, so none leaks when the message is rejected.
+pub fn recv_request(socket: &UnixStream) -> Result<(ControlRequest, Vec<File>)> {
+    let mut buf = [0u8; MAX_MESSAGE_SIZE];
+    let mut raw_fds = [-1 as RawFd; MAX_FDS];
+    let mut iov = [libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    }];
+    // SAFETY: the iovec points at `buf`, which outlives the call.
+    let (len, fd_count) = unsafe { socket.recv_with_fds(&mut iov, &mut raw_fds) }
+        .map_err(|e| ControlError::Io(io::Error::from_raw_os_error(e.errno())))?;
+    let files: Vec<File> = raw_fds
+        .iter()
+        .take(fd_count)
+        // SAFETY: the kernel just installed these fds for us; each is wrapped exactly once.
+        .map(|&fd| unsafe { File::from_raw_fd(fd) })
+        .collect();
+    if len == 0 {
+        return Err(ControlError::Closed);
+    }
+    let request = ControlRequest::decode(buf.get(..len).unwrap_or_default())?;
+    if files.len() != request.expected_fds() {
+        return Err(ControlError::FdCount {
+            got: files.len(),
+            expected: request.expected_fds(),
+        });
+    }
+    Ok((request, files))
+}
+
+/// The answer to every request: `Ok(())` or the errno of what failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlReply(pub i32);
+
+impl ControlReply {
+    /// Success.
+    pub const OK: Self = Self(0);
+
+    /// Sends the reply.
+    pub fn send(self, socket: &UnixStream) -> Result<()> {
+        let mut body = [0u8; 8];
+        body[..4].copy_from_slice(&TAG_REPLY.to_le_bytes());
+        body[4..].copy_from_slice(&self.0.to_le_bytes());
+        socket
+            .send_with_fds(&[&body[..]], &[])
+            .map_err(|e| ControlError::Io(io::Error::from_raw_os_error(e.errno())))?;
+        Ok(())
+    }
+
+    /// Waits for a reply; an errno other than 0 becomes [`ControlError::Refused`].
+    pub fn recv(socket: &UnixStream) -> Result<()> {
+        let mut buf = [0u8; 16];
+        let mut raw_fds = [-1 as RawFd; 1];
+        let mut iov = [libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        // SAFETY: the iovec points at `buf`, which outlives the call.
+        let (len, fd_count) = unsafe { socket.recv_with_fds(&mut iov, &mut raw_fds) }
+            .map_err(|e| ControlError::Io(io::Error::from_raw_os_error(e.errno())))?;
+        for &fd in raw_fds.iter().take(fd_count) {
+            // SAFETY: an fd the peer should not have sent; close it so it does not leak.
+            drop(unsafe { File::from_raw_fd(fd) });
+        }
+        if len == 0 {
+            return Err(ControlError::Closed);
+        }
+        let mut reader = Reader(buf.get(..len).unwrap_or_default());
+        if reader.u32()? != TAG_REPLY {
+            return Err(ControlError::Malformed("not a reply"));
+        }
+        match reader.u32()? as i32 {
+            0 => Ok(()),
+            errno => Err(ControlError::Refused(io::Error::from_raw_os_error(errno))),
+        }
+    }
+}
+
+/// Creates the connected `SOCK_SEQPACKET` pair for a new iothread (both ends close-on-exec;
+/// the spawner clears the flag on the child's end).
+pub fn socket_pair() -> io::Result<(UnixStream, UnixStream)> {
+    let mut fds = [-1; 2];
+    // SAFETY: socketpair writes two fds into the array we pass.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    Ok(unsafe {
+        (
+            UnixStream::from_raw_fd(fds[0]),
+            UnixStream::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn requests_round_trip() {
+        for request in [
+            ControlRequest::Setup {
+                flags: SETUP_FLAG_DIRECT_FD,
+                logical_block_size: 512,
+            },
+            ControlRequest::SetMemoryTable(vec![
+                MemoryRegionSpec {
+                    size: 1 << 30,
+                    mmap_offset: 0,
+                },
+                MemoryRegionSpec {
+                    size: 4096,
+                    mmap_offset: 8192,
+                },
+            ]),
+            ControlRequest::Shutdown,
+        ] {
+            assert_eq!(ControlRequest::decode(&request.encode()).unwrap(), request);
+        }
+    }
+
+    #[test]
+    fn malformed_requests_are_errors() {
+        assert!(ControlRequest::decode(&[]).is_err());
+        assert!(ControlRequest::decode(&99u32.to_le_bytes()).is_err());
+        let mut too_many = TAG_SET_MEMORY_TABLE.to_le_bytes().to_vec();
+        too_many.extend_from_slice(&1000u32.to_le_bytes());
+        assert!(ControlRequest::decode(&too_many).is_err());
+        let mut truncated = ControlRequest::SetMemoryTable(vec![MemoryRegionSpec {
+            size: 1,
+            mmap_offset: 2,
+        }])
+        .encode();
+        truncated.pop();
+        assert!(ControlRequest::decode(&truncated).is_err());
+        let mut trailing = ControlRequest::Shutdown.encode();
+        trailing.push(0);
+        assert!(ControlRequest::decode(&trailing).is_err());
+    }
+
+    #[test]
+    fn fds_travel_with_the_message() {
+        let (a, b) = socket_pair().unwrap();
+        let file = File::open("/dev/null").unwrap();
+        let request = ControlRequest::SetMemoryTable(vec![MemoryRegionSpec {
+            size: 4096,
+            mmap_offset: 0,
+        }]);
+        send_request(&a, &request, &[file.as_raw_fd()]).unwrap();
+        let (got, files) = recv_request(&b).unwrap();
+        assert_eq!(got, request);
+        assert_eq!(files.len(), 1);
+        ControlReply(libc::EINVAL).send(&b).unwrap();
+        assert!(matches!(
+            ControlReply::recv(&a),
+            Err(ControlError::Refused(_))
+        ));
+        ControlReply::OK.send(&b).unwrap();
+        ControlReply::recv(&a).unwrap();
+        drop(b);
+        assert!(matches!(ControlReply::recv(&a), Err(ControlError::Closed)));
+    }
+
+    #[test]
+    fn wrong_fd_count_is_refused() {
+        let (a, b) = socket_pair().unwrap();
+        let file = File::open("/dev/null").unwrap();
+        a.send_with_fds(
+            &[ControlRequest::Shutdown.encode().as_slice()],
+            &[file.as_raw_fd()],
+        )
+        .unwrap();
+        assert!(matches!(
+            recv_request(&b),
+            Err(ControlError::FdCount {
+                got: 1,
+                expected: 0
+            })
+        ));
+    }
+}
