@@ -1,1 +1,172 @@
-fn main() {}
+//! `blkplane-frontend`: serves one disk image to a VMM over vhost-user-blk, one process per
+//! disk. It validates the virtqueues itself and hands batches of requests to its
+//! `blkplane-iothread` processes over shared-memory rings.
+
+mod config;
+mod image;
+mod iothread;
+mod memory;
+mod request;
+mod vhost_user;
+mod worker;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+
+use clap::Parser;
+use log::{error, info};
+use vhost::vhost_user::{BackendListener, Listener};
+
+use crate::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
+use crate::image::Image;
+use crate::iothread::IothreadLink;
+use crate::vhost_user::BlkBackend;
+use crate::worker::WorkerHandle;
+
+/// Serve a disk image to a VMM (QEMU, cloud-hypervisor, libblkio) as a vhost-user-blk device.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// UNIX socket to listen on for the VMM (created; a stale file is replaced).
+    #[arg(long)]
+    socket: PathBuf,
+    /// Disk image: a regular file or a block device. Its size is the disk's capacity.
+    #[arg(long)]
+    image: PathBuf,
+    /// Offer the disk read-only (VIRTIO_BLK_F_RO); writes, discards and write-zeroes fail.
+    #[arg(long)]
+    read_only: bool,
+    /// Serial number reported to the guest (GET_ID), at most 20 bytes.
+    #[arg(long, default_value = "")]
+    serial: String,
+    /// Number of request queues (virtio-blk multiqueue).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    num_queues: u16,
+    /// Largest ring size the VMM may choose (a power of two up to 32768).
+    #[arg(long, default_value_t = 256, value_parser = parse_queue_size)]
+    queue_size: u16,
+    /// Number of iothread processes; queue q is served by iothread q mod N.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    iothreads: u16,
+    /// Logical block size reported to the guest, in bytes.
+    #[arg(long, default_value_t = 512, value_parser = parse_block_size)]
+    block_size: u32,
+    /// Host cache mode: direct (O_DIRECT), writeback or writethrough.
+    #[arg(long, value_enum, default_value_t = CacheMode::Direct)]
+    cache: CacheMode,
+    /// The blkplane-iothread binary (default: next to this executable).
+    #[arg(long)]
+    iothread_binary: Option<PathBuf>,
+}
+
+fn parse_queue_size(s: &str) -> Result<u16, String> {
+    let n: u16 = s.parse().map_err(|e| format!("{e}"))?;
+    if n >= 2 && n.is_power_of_two() && n <= MAX_QUEUE_SIZE {
+        Ok(n)
+    } else {
+        Err(format!("{n} is not a power of two in 2..={MAX_QUEUE_SIZE}"))
+    }
+}
+
+fn parse_block_size(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(n @ (512 | 4096)) => Ok(n),
+        _ => Err(format!("{s}: the block size must be 512 or 4096")),
+    }
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let image = Image::open(&args.image, args.read_only, args.cache).map_err(|e| e.to_string())?;
+    if image.size < u64::from(args.block_size) {
+        return Err(format!(
+            "image {} is smaller than one block",
+            args.image.display()
+        ));
+    }
+    let disk = Arc::new(DiskConfig::new(
+        image.size,
+        args.read_only,
+        &args.serial,
+        args.num_queues,
+        args.queue_size,
+        args.block_size,
+        args.cache,
+    ));
+    let iothread_binary = match args.iothread_binary {
+        Some(path) => path,
+        None => std::env::current_exe()
+            .map_err(|e| format!("cannot find own executable: {e}"))?
+            .with_file_name("blkplane-iothread"),
+    };
+    let image = Arc::new(image);
+    // More iothreads than queues would idle.
+    let iothreads = args.iothreads.min(args.num_queues);
+    let mut workers = Vec::with_capacity(usize::from(iothreads));
+    for index in 0..iothreads {
+        let queue_ids: Vec<u16> = (index..args.num_queues)
+            .step_by(usize::from(iothreads))
+            .collect();
+        let slot_count =
+            u32::try_from(queue_ids.len()).unwrap_or(u32::MAX) * u32::from(args.queue_size);
+        let link = IothreadLink::new(
+            usize::from(index),
+            iothread_binary.clone(),
+            Arc::clone(&image),
+            args.block_size,
+            slot_count,
+            disk.segments_per_slot(),
+        )
+        .map_err(|e| e.to_string())?;
+        let worker = WorkerHandle::spawn(usize::from(index), Arc::clone(&disk), link, queue_ids)
+            .map_err(|e| format!("starting iothread {index}: {e}"))?;
+        workers.push(worker);
+    }
+    let backend = Arc::new(Mutex::new(BlkBackend::new(Arc::clone(&disk), workers)));
+    let mut listener = Listener::new(&args.socket, true)
+        .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
+    let mut backend_listener = BackendListener::new(&mut listener, Arc::clone(&backend))
+        .map_err(|e| format!("listener: {e}"))?;
+    info!(
+        "serving {} ({} sectors{}) on {}",
+        args.image.display(),
+        disk.capacity(),
+        if args.read_only { ", read-only" } else { "" },
+        args.socket.display()
+    );
+    loop {
+        let mut connection = match backend_listener.accept() {
+            Ok(Some(connection)) => connection,
+            Ok(None) => continue,
+            Err(e) => {
+                error!("accept: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+        };
+        info!("VMM connected");
+        let reason = loop {
+            if let Err(e) = connection.handle_request() {
+                break e;
+            }
+        };
+        info!("VMM disconnected: {reason}");
+        drop(connection);
+        match backend.lock() {
+            Ok(mut device) => device.reset(),
+            Err(poisoned) => poisoned.into_inner().reset(),
+        }
+    }
+}

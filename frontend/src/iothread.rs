@@ -1,0 +1,233 @@
+//! The frontend's side of one iothread: its shared ring, its wake-up eventfds, and the
+//! `blkplane-iothread` process itself, which is spawned, handed its descriptors, and
+//! replaced when it dies.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::Arc;
+
+use blkplane_proto::control::{
+    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD,
+};
+use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::image::Image;
+use crate::memory::MemoryTable;
+
+/// The descriptor number the iothread finds its control socket at.
+const CHILD_CONTROL_FD: RawFd = 3;
+
+/// What went wrong talking to an iothread.
+#[derive(Debug, thiserror::Error)]
+pub enum IothreadError {
+    /// The ring could not be created.
+    #[error("iothread ring: {0}")]
+    Ring(#[from] RingError),
+    /// The process could not be started.
+    #[error("cannot start {binary}: {source}")]
+    Spawn {
+        /// The iothread binary.
+        binary: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// A control message failed or was refused.
+    #[error("iothread {index} control: {source}")]
+    Control {
+        /// Which iothread.
+        index: usize,
+        /// What failed.
+        source: ControlError,
+    },
+    /// eventfd or socketpair failed.
+    #[error("iothread setup: {0}")]
+    Os(#[from] io::Error),
+}
+
+struct Process {
+    child: Child,
+    control: UnixStream,
+}
+
+/// One iothread as its frontend worker sees it.
+pub struct IothreadLink {
+    index: usize,
+    binary: PathBuf,
+    image: Arc<Image>,
+    block_size: u32,
+    ring: SharedRing,
+    /// Frontend → iothread: slot numbers to execute.
+    pub submissions: Producer<u32>,
+    /// Iothread → frontend: finished slots.
+    pub completions: Consumer<Completion>,
+    /// The request slots.
+    pub slots: SlotTable,
+    /// Written to wake a sleeping iothread.
+    pub submit_event: EventFd,
+    /// Written by the iothread to wake this worker.
+    pub complete_event: EventFd,
+    process: Option<Process>,
+}
+
+impl IothreadLink {
+    /// Creates the ring and eventfds; the process is started by [`IothreadLink::start`].
+    pub fn new(
+        index: usize,
+        binary: PathBuf,
+        image: Arc<Image>,
+        block_size: u32,
+        slot_count: u32,
+        segments_per_slot: u32,
+    ) -> Result<Self, IothreadError> {
+        let ring = SharedRing::create(slot_count, segments_per_slot)?;
+        Ok(Self {
+            index,
+            binary,
+            image,
+            block_size,
+            submissions: ring.submission_producer(),
+            completions: ring.completion_consumer(),
+            slots: ring.slots(),
+            ring,
+            submit_event: EventFd::new(EFD_NONBLOCK)?,
+            complete_event: EventFd::new(EFD_NONBLOCK)?,
+            process: None,
+        })
+    }
+
+    /// The control socket, which reports hang-up when the process dies; `None` when no
+    /// process runs.
+    pub fn control_fd(&self) -> Option<RawFd> {
+        self.process.as_ref().map(|p| p.control.as_raw_fd())
+    }
+
+    /// The process id, when one runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|p| p.child.id())
+    }
+
+    fn control_error(&self, source: ControlError) -> IothreadError {
+        IothreadError::Control {
+            index: self.index,
+            source,
+        }
+    }
+
+    /// Starts a process on a fresh ring (queues reset) and hands it `memory`.
+    pub fn start(&mut self, memory: &MemoryTable) -> Result<(), IothreadError> {
+        self.stop();
+        self.ring.reset_queues();
+        self.submissions = self.ring.submission_producer();
+        self.completions = self.ring.completion_consumer();
+        let (ours, theirs) = control::socket_pair()?;
+        let child_fd = theirs.as_raw_fd();
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--control-fd")
+            .arg(CHILD_CONTROL_FD.to_string());
+        // SAFETY: the closure only calls async-signal-safe functions (dup2, fcntl, prctl)
+        // between fork and exec.
+        unsafe {
+            command.pre_exec(move || {
+                if child_fd == CHILD_CONTROL_FD {
+                    if libc::fcntl(child_fd, libc::F_SETFD, 0) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                } else if libc::dup2(child_fd, CHILD_CONTROL_FD) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The iothread must never outlive its frontend.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().map_err(|source| IothreadError::Spawn {
+            binary: self.binary.clone(),
+            source,
+        })?;
+        drop(theirs);
+        self.process = Some(Process {
+            child,
+            control: ours,
+        });
+        let result = self.setup(memory);
+        if result.is_err() {
+            self.stop();
+        }
+        result
+    }
+
+    fn setup(&mut self, memory: &MemoryTable) -> Result<(), IothreadError> {
+        let mut fds = vec![
+            self.ring.file().as_raw_fd(),
+            self.submit_event.as_raw_fd(),
+            self.complete_event.as_raw_fd(),
+            self.image.buffered.as_raw_fd(),
+        ];
+        let mut flags = 0;
+        if let Some(direct) = &self.image.direct {
+            fds.push(direct.as_raw_fd());
+            flags |= SETUP_FLAG_DIRECT_FD;
+        }
+        let request = ControlRequest::Setup {
+            flags,
+            logical_block_size: self.block_size,
+        };
+        self.call(&request, &fds)?;
+        self.set_memory(memory)
+    }
+
+    fn call(&self, request: &ControlRequest, fds: &[RawFd]) -> Result<(), IothreadError> {
+        let process = self
+            .process
+            .as_ref()
+            .ok_or_else(|| self.control_error(ControlError::Closed))?;
+        control::send_request(&process.control, request, fds)
+            .and_then(|()| ControlReply::recv(&process.control))
+            .map_err(|e| self.control_error(e))
+    }
+
+    /// Hands the iothread a new memory table. The caller has made sure that none of this
+    /// iothread's requests is in flight.
+    pub fn set_memory(&mut self, memory: &MemoryTable) -> Result<(), IothreadError> {
+        let (regions, fds) = memory.iothread_table();
+        self.call(&ControlRequest::SetMemoryTable(regions), &fds)
+    }
+
+    /// Kills the process (if any) and waits for it, so that none of its I/O is still
+    /// running: the kernel cancels or completes a dying task's io_uring requests before the
+    /// task can be reaped.
+    pub fn stop(&mut self) {
+        if let Some(mut process) = self.process.take() {
+            let _ = process.child.kill();
+            let _ = process.child.wait();
+        }
+    }
+
+    /// Wakes the iothread.
+    pub fn wake(&self) {
+        // EAGAIN only means the counter is already non-zero: it is awake-pending anyway.
+        let _ = self.submit_event.write(1);
+    }
+
+    /// Consumes a pending completion wake-up.
+    pub fn clear_completion_event(&self) {
+        let _ = self.complete_event.read();
+    }
+}
+
+impl Drop for IothreadLink {
+    fn drop(&mut self) {
+        if let Some(process) = &self.process {
+            let _ = control::send_request(&process.control, &ControlRequest::Shutdown, &[]);
+        }
+        self.stop();
+    }
+}

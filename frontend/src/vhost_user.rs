@@ -1,0 +1,500 @@
+//! The vhost-user back-end: blkplane's own request handler on the `vhost` crate's
+//! [`VhostUserBackendReqHandlerMut`] trait.
+//!
+//! In vhost-user words the frontend process is the *back-end* and the VMM the *front-end*.
+//! This handler owns the device state the VMM configures (features, memory table, ring
+//! addresses and eventfds) and hands finished rings to the [`WorkerHandle`]s that serve them.
+//! Owning the handler (rather than vhost-user-backend's) is what lets later work add
+//! INFLIGHT_SHMFD, real LOG_ALL handling and config-change messages.
+
+use std::fs::File;
+use std::io;
+use std::sync::Arc;
+
+use log::{info, warn};
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
+    VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
+    VhostUserSharedMsg, VhostUserSingleMemoryRegion, VhostUserVirtioFeatures,
+    VhostUserVringAddrFlags, VhostUserVringState,
+};
+use vhost::vhost_user::{
+    Backend, Error as VhostError, GpuBackend, Result as VhostResult, VhostUserBackendReqHandlerMut,
+};
+use vhost::VhostUserMemoryRegionBase;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::{Queue, QueueT};
+
+use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
+use crate::memory::{MemoryTable, RegionDescriptor};
+use crate::worker::{Command, VringStart, WorkerHandle};
+
+/// Setup state of one ring as the VMM has described it so far.
+#[derive(Default)]
+struct VringSetup {
+    size: u16,
+    desc_user_addr: u64,
+    avail_user_addr: u64,
+    used_user_addr: u64,
+    addresses_set: bool,
+    base: u16,
+    kick: Option<File>,
+    call: Option<File>,
+    err: Option<File>,
+    enabled: bool,
+    running: bool,
+}
+
+/// The device state behind one vhost-user socket; it outlives connections.
+pub struct BlkBackend {
+    disk: Arc<DiskConfig>,
+    workers: Vec<WorkerHandle>,
+    acked_features: u64,
+    acked_protocol_features: u64,
+    memory: Arc<MemoryTable>,
+    vrings: Vec<VringSetup>,
+}
+
+fn invalid(what: &str) -> VhostError {
+    warn!("refused vhost-user request: {what}");
+    VhostError::InvalidParam
+}
+
+fn handler_error(e: impl std::fmt::Display) -> VhostError {
+    warn!("vhost-user request failed: {e}");
+    VhostError::ReqHandlerError(io::Error::other(e.to_string()))
+}
+
+impl BlkBackend {
+    /// A device for `disk` whose queue `q` is served by `workers[q % workers.len()]`.
+    pub fn new(disk: Arc<DiskConfig>, workers: Vec<WorkerHandle>) -> Self {
+        let vrings = (0..disk.num_queues)
+            .map(|_| VringSetup::default())
+            .collect();
+        Self {
+            disk,
+            workers,
+            acked_features: 0,
+            acked_protocol_features: 0,
+            memory: Arc::new(MemoryTable::empty()),
+            vrings,
+        }
+    }
+
+    fn worker_for(&self, queue: u16) -> VhostResult<&WorkerHandle> {
+        let count = self.workers.len().max(1);
+        self.workers
+            .get(usize::from(queue) % count)
+            .ok_or(VhostError::BackendInternalError)
+    }
+
+    fn vring(&mut self, index: u32) -> VhostResult<&mut VringSetup> {
+        let count = self.vrings.len();
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.vrings.get_mut(i))
+            .ok_or_else(|| invalid(&format!("queue index {index} (device has {count})")))
+    }
+
+    fn protocol_features_negotiated(&self) -> bool {
+        self.acked_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
+    }
+
+    /// Starts a ring once it is fully set up: addresses, a kick eventfd, enabled (or, without
+    /// PROTOCOL_FEATURES, implicitly enabled by the kick), and guest memory present.
+    fn maybe_start(&mut self, index: u16) -> VhostResult<()> {
+        let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let memory = Arc::clone(&self.memory);
+        let max_size = self.disk.queue_size;
+        let implicit_enable = !self.protocol_features_negotiated();
+        let vring = self.vring(u32::from(index))?;
+        if vring.running || vring.kick.is_none() || !vring.addresses_set {
+            return Ok(());
+        }
+        if !(vring.enabled || implicit_enable) {
+            return Ok(());
+        }
+        let translate = |addr: u64, what: &str| {
+            memory.vmm_to_guest(addr).ok_or_else(|| {
+                invalid(&format!(
+                    "queue {index}: {what} address {addr:#x} is not in guest memory"
+                ))
+            })
+        };
+        let desc = translate(vring.desc_user_addr, "descriptor table")?;
+        let avail = translate(vring.avail_user_addr, "avail ring")?;
+        let used = translate(vring.used_user_addr, "used ring")?;
+        let mut queue = Queue::new(max_size).map_err(handler_error)?;
+        queue.try_set_size(vring.size).map_err(handler_error)?;
+        queue
+            .try_set_desc_table_address(desc)
+            .map_err(handler_error)?;
+        queue
+            .try_set_avail_ring_address(avail)
+            .map_err(handler_error)?;
+        queue
+            .try_set_used_ring_address(used)
+            .map_err(handler_error)?;
+        queue.set_event_idx(event_idx);
+        queue.set_ready(true);
+        let mem = memory.guest_memory();
+        if !queue.is_valid(mem) {
+            return Err(invalid(&format!(
+                "queue {index}: ring is not inside guest memory"
+            )));
+        }
+        queue.set_next_avail(vring.base);
+        // The used index lives in guest memory: after a reconnect it may differ from the avail
+        // base by the requests that were in flight.
+        let used_idx = queue
+            .used_idx(mem, std::sync::atomic::Ordering::Acquire)
+            .map_err(handler_error)?;
+        queue.set_next_used(used_idx.0);
+        let kick = vring
+            .kick
+            .as_ref()
+            .ok_or(VhostError::InvalidParam)?
+            .try_clone()
+            .map_err(VhostError::ReqHandlerError)?;
+        let clone = |f: &Option<File>| f.as_ref().and_then(|f| f.try_clone().ok());
+        let start = Box::new(VringStart {
+            queue,
+            kick,
+            call: clone(&vring.call),
+            err: clone(&vring.err),
+        });
+        vring.running = true;
+        self.worker_for(index)?
+            .call(|reply| Command::Start {
+                queue: index,
+                vring: start,
+                reply,
+            })
+            .map_err(handler_error)?;
+        Ok(())
+    }
+
+    /// Stops a ring after its in-flight requests complete; remembers where it stopped.
+    fn stop(&mut self, index: u16) -> VhostResult<()> {
+        if !self.vring(u32::from(index))?.running {
+            return Ok(());
+        }
+        let next_avail = self
+            .worker_for(index)?
+            .call(|reply| Command::Stop {
+                queue: index,
+                reply,
+            })
+            .map_err(handler_error)?;
+        let vring = self.vring(u32::from(index))?;
+        vring.running = false;
+        if let Some(base) = next_avail {
+            vring.base = base;
+        }
+        Ok(())
+    }
+
+    /// Makes every worker quiesce and map `memory`, then adopts it.
+    fn install_memory(&mut self, memory: MemoryTable) -> VhostResult<()> {
+        let memory = Arc::new(memory);
+        let old = Arc::clone(&self.memory);
+        for (i, worker) in self.workers.iter().enumerate() {
+            let result = worker
+                .call(|reply| Command::SetMemory {
+                    memory: Arc::clone(&memory),
+                    reply,
+                })
+                .map_err(handler_error)?;
+            if let Err(e) = result {
+                // Put back the old table on the workers already switched, so every iothread
+                // agrees on region indices again.
+                for worker in self.workers.iter().take(i) {
+                    let _ = worker.call(|reply| Command::SetMemory {
+                        memory: Arc::clone(&old),
+                        reply,
+                    });
+                }
+                return Err(handler_error(e));
+            }
+        }
+        self.memory = memory;
+        Ok(())
+    }
+
+    /// Returns the device to its initial state: rings stopped (after draining), memory
+    /// released, features forgotten. Used on RESET_DEVICE, RESET_OWNER and disconnect.
+    pub fn reset(&mut self) {
+        for index in 0..self.disk.num_queues {
+            if let Err(e) = self.stop(index) {
+                warn!("reset: stopping queue {index}: {e}");
+            }
+        }
+        self.vrings = (0..self.disk.num_queues)
+            .map(|_| VringSetup::default())
+            .collect();
+        self.acked_features = 0;
+        self.acked_protocol_features = 0;
+        if !self.memory.is_empty() {
+            if let Err(e) = self.install_memory(MemoryTable::empty()) {
+                warn!("reset: releasing guest memory: {e}");
+            }
+        }
+    }
+}
+
+fn region_descriptor(region: &VhostUserMemoryRegion) -> RegionDescriptor {
+    RegionDescriptor {
+        guest_base: region.guest_phys_addr,
+        size: region.memory_size,
+        user_addr: region.user_addr,
+        mmap_offset: region.mmap_offset,
+    }
+}
+
+fn queue_index(index: u32) -> VhostResult<u16> {
+    u16::try_from(index).map_err(|_| invalid(&format!("queue index {index}")))
+}
+
+impl VhostUserBackendReqHandlerMut for BlkBackend {
+    fn set_owner(&mut self) -> VhostResult<()> {
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VhostResult<()> {
+        self.reset();
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VhostResult<()> {
+        self.reset();
+        Ok(())
+    }
+
+    fn get_features(&mut self) -> VhostResult<u64> {
+        Ok(self.disk.features())
+    }
+
+    fn set_features(&mut self, features: u64) -> VhostResult<()> {
+        let unknown = features & !self.disk.features();
+        if unknown != 0 {
+            return Err(invalid(&format!("features {unknown:#x} were not offered")));
+        }
+        self.acked_features = features;
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        ctx: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        _postcopy_listening: Option<bool>,
+    ) -> VhostResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        let regions = ctx.iter().map(region_descriptor).zip(files).collect();
+        let table = MemoryTable::new(regions).map_err(handler_error)?;
+        info!("guest memory: {table:?}");
+        self.install_memory(table)?;
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VhostResult<()> {
+        let max = self.disk.queue_size;
+        let vring = self.vring(index)?;
+        let size = u16::try_from(num)
+            .ok()
+            .filter(|n| *n > 0 && n.is_power_of_two() && *n <= max && *n <= MAX_QUEUE_SIZE);
+        vring.size = size.ok_or_else(|| {
+            invalid(&format!(
+                "ring size {num}: must be a power of two in 1..={max}"
+            ))
+        })?;
+        Ok(())
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VhostResult<()> {
+        let vring = self.vring(index)?;
+        vring.desc_user_addr = descriptor;
+        vring.used_user_addr = used;
+        vring.avail_user_addr = available;
+        vring.addresses_set = true;
+        Ok(())
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VhostResult<()> {
+        let vring = self.vring(index)?;
+        vring.base = u16::try_from(base).map_err(|_| invalid(&format!("ring base {base}")))?;
+        Ok(())
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VhostResult<VhostUserVringState> {
+        let queue = queue_index(index)?;
+        self.vring(index)?;
+        self.stop(queue)?;
+        let vring = self.vring(index)?;
+        // The ring is stopped until the next SET_VRING_KICK.
+        vring.kick = None;
+        Ok(VhostUserVringState::new(index, u32::from(vring.base)))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        let queue = u16::from(index);
+        self.vring(u32::from(index))?;
+        let fd = fd.ok_or_else(|| invalid("polling mode (no kick fd) is not supported"))?;
+        self.stop(queue)?;
+        self.vring(u32::from(index))?.kick = Some(fd);
+        self.maybe_start(queue)
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        let queue = u16::from(index);
+        let vring = self.vring(u32::from(index))?;
+        let running = vring.running;
+        vring.call = fd;
+        let call = vring.call.as_ref().and_then(|f| f.try_clone().ok());
+        if running {
+            self.worker_for(queue)?
+                .call(|reply| Command::SetCall { queue, call, reply })
+                .map_err(handler_error)?;
+        }
+        Ok(())
+    }
+
+    fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        self.vring(u32::from(index))?.err = fd;
+        Ok(())
+    }
+
+    fn get_protocol_features(&mut self) -> VhostResult<VhostUserProtocolFeatures> {
+        Ok(DiskConfig::protocol_features())
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {
+        let unknown = features & !DiskConfig::protocol_features().bits();
+        if unknown != 0 {
+            return Err(invalid(&format!(
+                "protocol features {unknown:#x} were not offered"
+            )));
+        }
+        self.acked_protocol_features = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VhostResult<u64> {
+        Ok(u64::from(self.disk.num_queues))
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VhostResult<()> {
+        let queue = queue_index(index)?;
+        self.vring(index)?.enabled = enable;
+        if enable {
+            self.maybe_start(queue)
+        } else {
+            self.stop(queue)
+        }
+    }
+
+    fn get_config(
+        &mut self,
+        offset: u32,
+        size: u32,
+        _flags: VhostUserConfigFlags,
+    ) -> VhostResult<Vec<u8>> {
+        self.disk
+            .read_config(offset, size)
+            .ok_or_else(|| invalid(&format!("config read of {size} bytes at {offset}")))
+    }
+
+    fn set_config(
+        &mut self,
+        offset: u32,
+        buf: &[u8],
+        _flags: VhostUserConfigFlags,
+    ) -> VhostResult<()> {
+        self.disk.write_config(offset, buf).map_err(handler_error)
+    }
+
+    fn set_backend_req_fd(&mut self, _backend: Backend) {}
+
+    fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation("not a GPU"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VhostResult<File> {
+        Err(VhostError::InvalidOperation(
+            "shared objects are not supported",
+        ))
+    }
+
+    fn get_inflight_fd(
+        &mut self,
+        _inflight: &VhostUserInflight,
+    ) -> VhostResult<(VhostUserInflight, File)> {
+        Err(VhostError::InvalidOperation(
+            "INFLIGHT_SHMFD is not offered yet",
+        ))
+    }
+
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation(
+            "INFLIGHT_SHMFD is not offered yet",
+        ))
+    }
+
+    fn get_max_mem_slots(&mut self) -> VhostResult<u64> {
+        Ok(MAX_MEM_SLOTS)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        _postcopy_listening: Option<bool>,
+    ) -> VhostResult<Option<VhostUserMemoryRegionBase>> {
+        let table = self
+            .memory
+            .with_region(region_descriptor(region), fd)
+            .map_err(handler_error)?;
+        self.install_memory(table)?;
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VhostResult<()> {
+        let table = self
+            .memory
+            .without_region(region.guest_phys_addr, region.memory_size)
+            .map_err(handler_error)?;
+        self.install_memory(table)
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VhostResult<Option<File>> {
+        Err(VhostError::InvalidOperation(
+            "device state transfer is not supported",
+        ))
+    }
+
+    fn check_device_state(&mut self) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation(
+            "device state transfer is not supported",
+        ))
+    }
+
+    fn get_shmem_config(&mut self) -> VhostResult<VhostUserShMemConfig> {
+        Err(VhostError::InvalidOperation("no shared memory regions"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation("LOG_SHMFD is not offered yet"))
+    }
+}

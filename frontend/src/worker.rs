@@ -1,0 +1,734 @@
+//! The frontend's queue handling: one worker thread per iothread, owning the virtqueues
+//! assigned to that iothread.
+//!
+//! A worker sleeps in epoll on its queues' kick eventfds, its iothread's completion eventfd,
+//! its command eventfd and its iothread's control socket (which hangs up when the iothread
+//! dies). On a kick it pops **every** available chain, parses and validates each into a ring
+//! slot, and publishes the whole batch with one index store — waking the iothread only if it
+//! sleeps. Completions are reaped as a batch, their status bytes and used entries written, and
+//! each queue's call eventfd signalled at most once per batch (honouring EVENT_IDX).
+//!
+//! The worker is the only writer of its queues' used rings, so no lock is taken on the I/O
+//! path. The vhost-user thread talks to it through [`Command`]s and waits for the reply.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use blkplane_proto::ring::{Completion, Opcode, SlotHeader, SlotTable, SLOT_FLAG_SYNC};
+use log::{error, info, warn};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::config::DiskConfig;
+use crate::iothread::IothreadLink;
+use crate::memory::MemoryTable;
+use crate::request::{self, ChainError, Rejected, RequestKind, SegmentSink};
+
+const TOKEN_COMMAND: u64 = u64::MAX;
+const TOKEN_COMPLETION: u64 = u64::MAX - 1;
+const TOKEN_IOTHREAD: u64 = u64::MAX - 2;
+/// Consecutive failed iothread starts before in-flight requests are failed.
+const MAX_START_ATTEMPTS: u32 = 5;
+/// Guest-caused rejections logged at warn level per worker; the rest go to debug.
+const LOUD_REJECTIONS: u32 = 20;
+
+/// A ring the vhost-user thread hands to a worker once the VMM has set it up and enabled it.
+pub struct VringStart {
+    /// The split ring, addresses and indices already set and validated.
+    pub queue: Queue,
+    /// The driver's kick eventfd.
+    pub kick: File,
+    /// The call eventfd (interrupt), if the driver wants interrupts.
+    pub call: Option<File>,
+    /// The error eventfd, signalled when the ring is found broken.
+    pub err: Option<File>,
+}
+
+/// Requests from the vhost-user thread to a worker; each carries its reply channel.
+pub enum Command {
+    /// Start serving a ring.
+    Start {
+        /// Device queue index.
+        queue: u16,
+        /// The ring.
+        vring: Box<VringStart>,
+        /// Acknowledgement.
+        reply: Sender<()>,
+    },
+    /// Stop a ring after every in-flight request of it has completed (GET_VRING_BASE, disable,
+    /// reset). Replies with the next avail index, or `None` if the ring was not running.
+    Stop {
+        /// Device queue index.
+        queue: u16,
+        /// The ring's next avail index.
+        reply: Sender<Option<u16>>,
+    },
+    /// Replace a running ring's call eventfd.
+    SetCall {
+        /// Device queue index.
+        queue: u16,
+        /// The new eventfd.
+        call: Option<File>,
+        /// Acknowledgement.
+        reply: Sender<()>,
+    },
+    /// Quiesce, hand the iothread a new memory table, resume.
+    SetMemory {
+        /// The new table.
+        memory: Arc<MemoryTable>,
+        /// Whether the iothread took it.
+        reply: Sender<Result<(), String>>,
+    },
+}
+
+/// The vhost-user thread's handle on a worker thread.
+pub struct WorkerHandle {
+    commands: Sender<Command>,
+    wake: EventFd,
+    _thread: JoinHandle<()>,
+}
+
+/// The worker thread is gone (it only exits by panicking, which the release build turns into
+/// an abort, so this is not expected outside tests).
+#[derive(Debug, thiserror::Error)]
+#[error("frontend worker thread exited")]
+pub struct WorkerGone;
+
+impl WorkerHandle {
+    /// Starts the worker for `link`'s iothread serving the device queues `queue_ids`.
+    pub fn spawn(
+        index: usize,
+        disk: Arc<DiskConfig>,
+        mut link: IothreadLink,
+        queue_ids: Vec<u16>,
+    ) -> io::Result<Self> {
+        let (commands, receiver) = mpsc::channel();
+        let wake = EventFd::new(EFD_NONBLOCK)?;
+        let epoll = Epoll::new()?;
+        let memory = Arc::new(MemoryTable::empty());
+        link.start(&memory).map_err(io::Error::other)?;
+        let slot_count = link.slots.count() as usize;
+        let mut worker = Worker {
+            index,
+            queues: queue_ids.iter().map(|_| None).collect(),
+            queue_ids,
+            disk,
+            memory,
+            link,
+            slots: vec![SlotState::default(); slot_count],
+            in_flight: 0,
+            scratch: Vec::new(),
+            epoll,
+            commands: receiver,
+            wake: wake.try_clone()?,
+            rejections: 0,
+        };
+        worker.scratch.reserve(usize::from(worker.disk.queue_size));
+        worker.watch(worker.wake.as_raw_fd(), TOKEN_COMMAND)?;
+        worker.watch(worker.link.complete_event.as_raw_fd(), TOKEN_COMPLETION)?;
+        if let Some(fd) = worker.link.control_fd() {
+            worker.watch(fd, TOKEN_IOTHREAD)?;
+        }
+        let thread = std::thread::Builder::new()
+            .name(format!("worker-{index}"))
+            .spawn(move || worker.run())?;
+        Ok(Self {
+            commands,
+            wake,
+            _thread: thread,
+        })
+    }
+
+    /// Sends a command built around a fresh reply channel and waits for the reply.
+    pub fn call<R>(&self, make: impl FnOnce(Sender<R>) -> Command) -> Result<R, WorkerGone> {
+        let (reply, answer) = mpsc::channel();
+        self.commands.send(make(reply)).map_err(|_| WorkerGone)?;
+        self.wake.write(1).map_err(|_| WorkerGone)?;
+        answer.recv().map_err(|_| WorkerGone)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct SlotState {
+    in_flight: bool,
+    local_queue: u16,
+    head: u16,
+    status: GuestAddress,
+    used_len: u32,
+}
+
+struct RunningQueue {
+    queue: Queue,
+    kick: File,
+    call: Option<File>,
+    err: Option<File>,
+    in_flight: u32,
+    notify: bool,
+    broken: bool,
+}
+
+struct Worker {
+    index: usize,
+    disk: Arc<DiskConfig>,
+    /// Device queue index of each local queue.
+    queue_ids: Vec<u16>,
+    queues: Vec<Option<RunningQueue>>,
+    memory: Arc<MemoryTable>,
+    link: IothreadLink,
+    /// Frontend-private state of each ring slot (slot = local queue × queue size + head).
+    slots: Vec<SlotState>,
+    in_flight: u32,
+    /// The chain being parsed; reserved to the queue size so parsing never allocates.
+    scratch: Vec<Descriptor>,
+    epoll: Epoll,
+    commands: Receiver<Command>,
+    wake: EventFd,
+    rejections: u32,
+}
+
+/// Writes a parsed request's segments straight into its ring slot.
+struct SlotSink<'a> {
+    slots: &'a SlotTable,
+    slot: u32,
+    count: u32,
+}
+
+impl SegmentSink for SlotSink<'_> {
+    fn push(&mut self, segment: blkplane_proto::ring::Segment) -> Result<(), ()> {
+        self.slots
+            .set_segment(self.slot, self.count, segment)
+            .map_err(|_| ())?;
+        self.count += 1;
+        Ok(())
+    }
+}
+
+/// Signals an eventfd owned by the VMM; a full counter (EAGAIN) means it is signalled already.
+fn signal(file: &File) {
+    let _ = (&*file).write(&1u64.to_ne_bytes());
+}
+
+/// Consumes an eventfd's counter.
+fn drain_eventfd(fd: RawFd) {
+    let mut buf = [0u8; 8];
+    // SAFETY: reads at most 8 bytes into a local buffer.
+    let _ = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+}
+
+impl Worker {
+    fn watch(&self, fd: RawFd, token: u64) -> io::Result<()> {
+        self.epoll.ctl(
+            ControlOperation::Add,
+            fd,
+            EpollEvent::new(EventSet::IN, token),
+        )
+    }
+
+    fn unwatch(&self, fd: RawFd) {
+        let _ = self
+            .epoll
+            .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+    }
+
+    fn run(mut self) {
+        let mut events = vec![EpollEvent::default(); 64];
+        loop {
+            let may_sleep = self.link.completions.prepare_to_sleep();
+            let timeout = if may_sleep { -1 } else { 0 };
+            let ready = match self.epoll.wait(timeout, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                Err(e) => {
+                    error!("worker {}: epoll_wait: {e}", self.index);
+                    std::thread::sleep(Duration::from_millis(10));
+                    0
+                }
+            };
+            self.link.completions.woke_up();
+            let mut iothread_died = false;
+            for event in events.iter().take(ready) {
+                match event.data() {
+                    TOKEN_COMMAND => {
+                        drain_eventfd(self.wake.as_raw_fd());
+                        while let Ok(command) = self.commands.try_recv() {
+                            self.handle(command);
+                        }
+                    }
+                    TOKEN_COMPLETION => self.link.clear_completion_event(),
+                    TOKEN_IOTHREAD => iothread_died = true,
+                    local => {
+                        let local = local as usize;
+                        if let Some(Some(rq)) = self.queues.get(local) {
+                            drain_eventfd(rq.kick.as_raw_fd());
+                            self.process_queue(local);
+                        }
+                    }
+                }
+            }
+            self.flush_submissions();
+            if iothread_died || self.reap_completions().is_err() {
+                self.restart_iothread();
+            }
+            self.notify_guests();
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Start {
+                queue,
+                vring,
+                reply,
+            } => {
+                if let Some(local) = self.local_index(queue) {
+                    self.stop_queue(local);
+                    let VringStart {
+                        queue: ring,
+                        kick,
+                        call,
+                        err,
+                    } = *vring;
+                    if let Err(e) = self.watch(kick.as_raw_fd(), local as u64) {
+                        error!(
+                            "worker {}: cannot watch kick fd of queue {queue}: {e}",
+                            self.index
+                        );
+                    }
+                    if let Some(slot) = self.queues.get_mut(local) {
+                        *slot = Some(RunningQueue {
+                            queue: ring,
+                            kick,
+                            call,
+                            err,
+                            in_flight: 0,
+                            notify: false,
+                            broken: false,
+                        });
+                    }
+                    // The driver may have queued requests before the ring started.
+                    self.process_queue(local);
+                    self.flush_submissions();
+                    self.notify_guests();
+                }
+                let _ = reply.send(());
+            }
+            Command::Stop { queue, reply } => {
+                let next_avail = self.local_index(queue).and_then(|l| self.stop_queue(l));
+                let _ = reply.send(next_avail);
+            }
+            Command::SetCall { queue, call, reply } => {
+                if let Some(Some(rq)) = self.local_index(queue).and_then(|l| self.queues.get_mut(l))
+                {
+                    rq.call = call;
+                }
+                let _ = reply.send(());
+            }
+            Command::SetMemory { memory, reply } => {
+                self.wait_until(|w| w.in_flight == 0);
+                let result = self.link.set_memory(&memory).map_err(|e| e.to_string());
+                if result.is_ok() {
+                    self.memory = memory;
+                }
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn local_index(&self, queue: u16) -> Option<usize> {
+        self.queue_ids.iter().position(|&q| q == queue)
+    }
+
+    /// Drains and removes a ring; returns its next avail index.
+    fn stop_queue(&mut self, local: usize) -> Option<u16> {
+        self.wait_until(|w| {
+            w.queues
+                .get(local)
+                .and_then(Option::as_ref)
+                .is_none_or(|rq| rq.in_flight == 0)
+        });
+        let rq = self.queues.get_mut(local)?.take()?;
+        self.unwatch(rq.kick.as_raw_fd());
+        Some(rq.queue.next_avail())
+    }
+
+    /// Serves completions (and iothread restarts) until `done` holds. Pops nothing new.
+    fn wait_until(&mut self, done: impl Fn(&Self) -> bool) {
+        while !done(self) {
+            self.flush_submissions();
+            let mut died = false;
+            if self.link.completions.prepare_to_sleep() {
+                let control = self.link.control_fd().unwrap_or(-1);
+                let mut fds = [
+                    libc::pollfd {
+                        fd: self.link.complete_event.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                    libc::pollfd {
+                        fd: control,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                ];
+                // SAFETY: polls two descriptors described by a local array.
+                let _ = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+                self.link.completions.woke_up();
+                died = control < 0 || fds[1].revents != 0;
+                self.link.clear_completion_event();
+            }
+            if died || self.reap_completions().is_err() {
+                self.restart_iothread();
+            }
+            self.notify_guests();
+        }
+    }
+
+    /// Pops and handles every available chain of a ring, re-checking after re-enabling
+    /// notifications so that no request slips between the last pop and the re-enable.
+    fn process_queue(&mut self, local: usize) {
+        let memory = Arc::clone(&self.memory);
+        let mem = memory.guest_memory();
+        loop {
+            let Some(Some(rq)) = self.queues.get_mut(local) else {
+                return;
+            };
+            if rq.broken {
+                return;
+            }
+            if let Err(e) = rq.queue.disable_notification(mem) {
+                return self.break_queue(local, &e.to_string());
+            }
+            loop {
+                let Some(Some(rq)) = self.queues.get_mut(local) else {
+                    return;
+                };
+                let head = match rq.queue.iter(mem) {
+                    Ok(mut chains) => match chains.next() {
+                        Some(chain) => chain.head_index(),
+                        None => break,
+                    },
+                    Err(e) => return self.break_queue(local, &e.to_string()),
+                };
+                self.handle_chain(local, head, &memory);
+                if matches!(self.queues.get(local), Some(Some(rq)) if rq.broken) {
+                    return;
+                }
+            }
+            let Some(Some(rq)) = self.queues.get_mut(local) else {
+                return;
+            };
+            match rq.queue.enable_notification(mem) {
+                Ok(true) => continue,
+                Ok(false) => return,
+                Err(e) => return self.break_queue(local, &e.to_string()),
+            }
+        }
+    }
+
+    fn handle_chain(&mut self, local: usize, head: u16, memory: &MemoryTable) {
+        let mem = memory.guest_memory();
+        let Some(Some(rq)) = self.queues.get(local) else {
+            return;
+        };
+        let desc_table = GuestAddress(rq.queue.desc_table());
+        let size = rq.queue.size();
+        match request::collect_chain(mem, desc_table, size, head, &mut self.scratch) {
+            Ok(()) => {}
+            Err(ChainError::HeadOutOfRange(_)) => {
+                // Not a chain we can return: the guest breaks the ring.
+                return self.break_queue(local, "avail ring names a head outside the table");
+            }
+            Err(e) => {
+                self.note_rejection(local, &e.to_string());
+                return self.complete_now(local, head, None, 0, mem);
+            }
+        }
+        let slot = local as u32 * u32::from(self.disk.queue_size) + u32::from(head);
+        if self.slots.get(slot as usize).is_none_or(|s| s.in_flight) {
+            return self.break_queue(local, "driver made an in-flight head available again");
+        }
+        let mut sink = SlotSink {
+            slots: &self.link.slots,
+            slot,
+            count: 0,
+        };
+        let parsed = request::parse(&self.scratch, memory, &self.disk, &mut sink);
+        let request = match parsed {
+            Ok(request) => request,
+            Err(Rejected { error, status }) => {
+                self.note_rejection(local, &error.to_string());
+                let used = u32::from(status.is_some());
+                let status = status.map(|addr| (addr, error.status()));
+                return self.complete_now(local, head, status, used, mem);
+            }
+        };
+        let (opcode, image_offset) = match request.kind {
+            RequestKind::GetId => {
+                let status = match request::write_stream(mem, &self.scratch, &self.disk.serial) {
+                    Ok(()) => VIRTIO_BLK_S_OK as u8,
+                    Err(_) => VIRTIO_BLK_S_IOERR as u8,
+                };
+                let used = request.used_len();
+                return self.complete_now(local, head, Some((request.status, status)), used, mem);
+            }
+            RequestKind::Read { .. } | RequestKind::Write { .. } if request.data_len == 0 => {
+                let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
+                return self.complete_now(local, head, ok, 1, mem);
+            }
+            RequestKind::Read { offset } => (Opcode::Read, offset),
+            RequestKind::Write { offset } => (Opcode::Write, offset),
+            RequestKind::Flush => (Opcode::Flush, 0),
+            RequestKind::Discard => (Opcode::Discard, 0),
+            RequestKind::WriteZeroes => (Opcode::WriteZeroes, 0),
+        };
+        let modifies = matches!(
+            opcode,
+            Opcode::Write | Opcode::Discard | Opcode::WriteZeroes
+        );
+        let header = SlotHeader {
+            opcode: opcode as u32,
+            flags: if modifies && !self.disk.writeback() {
+                SLOT_FLAG_SYNC
+            } else {
+                0
+            },
+            image_offset,
+            segment_count: request.segments,
+            reserved: 0,
+        };
+        let pushed = self
+            .link
+            .slots
+            .set_header(slot, header)
+            .and_then(|()| self.link.submissions.push(slot));
+        if let Err(e) = pushed {
+            // Cannot happen while every slot has a queue entry reserved; fail the request
+            // rather than lose it.
+            error!("worker {}: cannot submit slot {slot}: {e}", self.index);
+            let failed = Some((request.status, VIRTIO_BLK_S_IOERR as u8));
+            return self.complete_now(local, head, failed, 1, mem);
+        }
+        if let Some(state) = self.slots.get_mut(slot as usize) {
+            *state = SlotState {
+                in_flight: true,
+                local_queue: local as u16,
+                head,
+                status: request.status,
+                used_len: request.used_len(),
+            };
+        }
+        if let Some(Some(rq)) = self.queues.get_mut(local) {
+            rq.in_flight += 1;
+        }
+        self.in_flight += 1;
+    }
+
+    fn note_rejection(&mut self, local: usize, why: &str) {
+        self.rejections = self.rejections.saturating_add(1);
+        let queue = self.queue_ids.get(local).copied().unwrap_or(u16::MAX);
+        if self.rejections <= LOUD_REJECTIONS {
+            warn!("queue {queue}: rejected request: {why}");
+        } else {
+            log::debug!("queue {queue}: rejected request: {why}");
+        }
+    }
+
+    /// Completes a chain without the iothread: writes its status (if any) and used entry.
+    fn complete_now(
+        &mut self,
+        local: usize,
+        head: u16,
+        status: Option<(GuestAddress, u8)>,
+        used_len: u32,
+        mem: &GuestMemoryMmap,
+    ) {
+        if let Some((addr, value)) = status {
+            // The address was checked to be in guest memory by the parser.
+            let _ = mem.write_obj(value, addr);
+        }
+        let Some(Some(rq)) = self.queues.get_mut(local) else {
+            return;
+        };
+        match rq.queue.add_used(mem, head, used_len) {
+            Ok(()) => rq.notify = true,
+            Err(e) => self.break_queue(local, &e.to_string()),
+        }
+    }
+
+    /// Marks a ring broken (the guest violated the ring protocol): it is no longer served,
+    /// its error eventfd is signalled, and every other ring and disk carries on.
+    fn break_queue(&mut self, local: usize, why: &str) {
+        let queue = self.queue_ids.get(local).copied().unwrap_or(u16::MAX);
+        let Some(Some(rq)) = self.queues.get_mut(local) else {
+            return;
+        };
+        if !rq.broken {
+            error!("queue {queue}: ring broken by the driver, no longer served until reset: {why}");
+            rq.broken = true;
+            if let Some(err) = &rq.err {
+                signal(err);
+            }
+            let kick = rq.kick.as_raw_fd();
+            self.unwatch(kick);
+        }
+    }
+
+    fn flush_submissions(&mut self) {
+        if self.link.submissions.unpublished() > 0 && self.link.submissions.publish() {
+            self.link.wake();
+        }
+    }
+
+    /// Completes every request the iothread has finished. An error means the iothread broke
+    /// the ring protocol and must be replaced.
+    fn reap_completions(&mut self) -> Result<(), ()> {
+        let memory = Arc::clone(&self.memory);
+        let mem = memory.guest_memory();
+        let mut result = Ok(());
+        loop {
+            match self.link.completions.pop() {
+                Ok(Some(completion)) => {
+                    if let Err(why) = self.finish(completion, mem) {
+                        error!(
+                            "worker {}: iothread sent a bad completion: {why}",
+                            self.index
+                        );
+                        result = Err(());
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    error!("worker {}: completion queue: {e}", self.index);
+                    result = Err(());
+                    break;
+                }
+            }
+        }
+        self.link.completions.release();
+        result
+    }
+
+    fn finish(
+        &mut self,
+        completion: Completion,
+        mem: &GuestMemoryMmap,
+    ) -> Result<(), &'static str> {
+        let state = self
+            .slots
+            .get_mut(completion.slot as usize)
+            .filter(|s| s.in_flight)
+            .ok_or("slot not in flight")?;
+        state.in_flight = false;
+        let state = *state;
+        self.in_flight -= 1;
+        let status = match completion.status {
+            VIRTIO_BLK_S_OK | VIRTIO_BLK_S_IOERR | VIRTIO_BLK_S_UNSUPP => completion.status as u8,
+            _ => VIRTIO_BLK_S_IOERR as u8,
+        };
+        let used = if u32::from(status) == VIRTIO_BLK_S_OK {
+            state.used_len
+        } else {
+            1
+        };
+        let local = usize::from(state.local_queue);
+        if let Some(Some(rq)) = self.queues.get_mut(local) {
+            rq.in_flight = rq.in_flight.saturating_sub(1);
+        }
+        self.complete_now(local, state.head, Some((state.status, status)), used, mem);
+        Ok(())
+    }
+
+    fn notify_guests(&mut self) {
+        let memory = Arc::clone(&self.memory);
+        let mem = memory.guest_memory();
+        for rq in self.queues.iter_mut().flatten() {
+            if !rq.notify {
+                continue;
+            }
+            rq.notify = false;
+            // Without EVENT_IDX this is always true; with it, one interrupt per batch at most.
+            if rq.queue.needs_notification(mem).unwrap_or(true) {
+                if let Some(call) = &rq.call {
+                    signal(call);
+                }
+            }
+        }
+    }
+
+    /// Replaces a dead or misbehaving iothread and resubmits everything it had in flight.
+    fn restart_iothread(&mut self) {
+        let old_pid = self.link.pid();
+        if let Some(fd) = self.link.control_fd() {
+            self.unwatch(fd);
+        }
+        // Reaped before returning, so none of its I/O can still land after a resubmission.
+        self.link.stop();
+        // What it completed before dying is genuine; anything malformed is simply resubmitted.
+        let _ = self.reap_completions();
+        let mut attempt = 0;
+        loop {
+            match self.link.start(&self.memory) {
+                Ok(()) => break,
+                Err(e) => {
+                    attempt += 1;
+                    error!(
+                        "worker {}: cannot restart iothread (attempt {attempt}): {e}",
+                        self.index
+                    );
+                    if attempt >= MAX_START_ATTEMPTS {
+                        self.fail_in_flight();
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(50 << attempt));
+                }
+            }
+        }
+        if let Some(fd) = self.link.control_fd() {
+            if let Err(e) = self.watch(fd, TOKEN_IOTHREAD) {
+                error!("worker {}: cannot watch iothread: {e}", self.index);
+            }
+        }
+        let mut resubmitted = 0u32;
+        for (slot, state) in self.slots.iter().enumerate() {
+            if state.in_flight && self.link.submissions.push(slot as u32).is_ok() {
+                resubmitted += 1;
+            }
+        }
+        info!(
+            "worker {}: iothread {:?} replaced by {:?}; resubmitted {resubmitted} requests",
+            self.index,
+            old_pid,
+            self.link.pid()
+        );
+        self.flush_submissions();
+    }
+
+    /// Last resort when no iothread can be started: fail what is in flight (a stuck guest is
+    /// worse than an I/O error it can retry).
+    fn fail_in_flight(&mut self) {
+        let memory = Arc::clone(&self.memory);
+        let mem = memory.guest_memory();
+        for slot in 0..self.slots.len() {
+            if self.slots.get(slot).is_some_and(|s| s.in_flight) {
+                let _ = self.finish(
+                    Completion {
+                        slot: slot as u32,
+                        status: VIRTIO_BLK_S_IOERR,
+                    },
+                    mem,
+                );
+            }
+        }
+        self.notify_guests();
+    }
+}
