@@ -1,1 +1,255 @@
-fn main() {}
+//! `blkplane-iothread`: executes the requests of one frontend's shared-memory ring with
+//! io_uring, straight into guest memory.
+//!
+//! The frontend spawns it with one end of a `SOCK_SEQPACKET` socket pair as `--control-fd`
+//! (default 3), sends `Setup` (ring, eventfds, image fds) and then `SetMemoryTable`. See
+//! [`engine`] for the loop itself.
+//!
+//! Exit status: 0 after `Shutdown` or when the frontend closes the control socket (it exited
+//! or died); 1 on any error (bad setup, control protocol violation, broken ring); 2 for a bad
+//! command line.
+
+mod engine;
+mod image;
+mod memory;
+mod request;
+mod slot;
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
+use std::process::ExitCode;
+
+use blkplane_proto::control::{
+    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD,
+};
+use blkplane_proto::ring::{RingError, SharedRing};
+use clap::Parser;
+use log::{error, info};
+
+use crate::engine::{Engine, EngineError, Exit};
+use crate::image::{Image, ImageError};
+
+/// blkplane's I/O process: serves one frontend's request ring with io_uring.
+///
+/// Spawned by a frontend, never by hand. Logs to stderr; set RUST_LOG (e.g. RUST_LOG=debug)
+/// to change the level.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The inherited control socket: a connected SOCK_SEQPACKET UNIX socket whose peer is the
+    /// frontend. The iothread exits when the peer closes it.
+    #[arg(long, value_name = "FD", default_value_t = 3)]
+    control_fd: RawFd,
+}
+
+/// Why the iothread exits with status 1.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    /// `--control-fd` is not a usable socket.
+    #[error("--control-fd {fd}: {reason}")]
+    ControlFd {
+        /// The fd number.
+        fd: RawFd,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The setup handshake failed.
+    #[error("setup: {0}")]
+    Setup(#[from] SetupError),
+    /// The engine stopped on an error.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Why a `Setup` was refused; answered with [`SetupError::errno`] before exiting.
+#[derive(Debug, thiserror::Error)]
+enum SetupError {
+    /// The control channel failed.
+    #[error("{0}")]
+    Control(#[from] ControlError),
+    /// The first message was not `Setup`.
+    #[error("expected Setup, got {0}")]
+    NotSetup(&'static str),
+    /// `Setup` carried flags this iothread does not know.
+    #[error("unknown Setup flags {0:#x}")]
+    UnknownFlags(u32),
+    /// The ring memfd is not a valid ring.
+    #[error("ring: {0}")]
+    Ring(#[from] RingError),
+    /// The ring memfd could be shrunk under our mapping (reading a slot would raise SIGBUS).
+    #[error("ring memfd is not sealed against shrinking")]
+    RingNotSealed,
+    /// The image fds are unusable.
+    #[error("image: {0}")]
+    Image(#[from] ImageError),
+    /// The engine could not be created.
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+}
+
+impl SetupError {
+    fn errno(&self) -> i32 {
+        match self {
+            Self::Control(_) | Self::NotSetup(_) => libc::EPROTO,
+            Self::UnknownFlags(_) | Self::RingNotSealed => libc::EINVAL,
+            Self::Ring(RingError::Os { source, .. }) => {
+                source.raw_os_error().unwrap_or(libc::EINVAL)
+            }
+            Self::Ring(_) => libc::EINVAL,
+            Self::Image(e) => e.errno(),
+            Self::Engine(e) => e.errno(),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(Exit::Shutdown) => {
+            info!("shut down by the frontend");
+            ExitCode::SUCCESS
+        }
+        Ok(Exit::PeerClosed) => {
+            info!("the frontend closed the control socket; exiting");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs to stderr with the pid, since a frontend's iothreads share its stderr.
+fn init_logging() {
+    let pid = std::process::id();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format(move |buf, record| {
+            writeln!(
+                buf,
+                "[{} {:5} blkplane-iothread[{pid}]] {}",
+                buf.timestamp_millis(),
+                record.level(),
+                record.args()
+            )
+        })
+        .init();
+}
+
+fn run(args: &Args) -> Result<Exit, Error> {
+    let control = take_control_socket(args.control_fd)?;
+    let engine = match setup(&control) {
+        Ok(Some(engine)) => engine,
+        // The frontend went away before sending anything: nothing to serve.
+        Ok(None) => return Ok(Exit::PeerClosed),
+        Err(e) => {
+            // Best effort: the frontend may be gone already, and we exit either way.
+            let _ = ControlReply(e.errno()).send(&control);
+            return Err(e.into());
+        }
+    };
+    ControlReply::OK
+        .send(&control)
+        .map_err(|e| Error::Setup(e.into()))?;
+    Ok(engine.run(&control)?)
+}
+
+/// Takes ownership of the inherited control socket after checking it is one.
+fn take_control_socket(fd: RawFd) -> Result<UnixStream, Error> {
+    let bad = |reason: String| Error::ControlFd { fd, reason };
+    if fd < 0 {
+        return Err(bad("not a file descriptor".into()));
+    }
+    // SAFETY: F_GETFD only inspects the fd table; an fd that is not open fails with EBADF.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(bad(io::Error::last_os_error().to_string()));
+    }
+    // Keep it out of anything this process might ever execute.
+    // SAFETY: setting FD_CLOEXEC on an fd checked open above.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    // SAFETY: the spawner hands this fd to us alone (that is the command-line contract), it is
+    // open (checked above), and nothing else in this process wraps it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    let is_socket = file
+        .metadata()
+        .map(|meta| meta.file_type().is_socket())
+        .map_err(|e| bad(e.to_string()))?;
+    if !is_socket || socket_type(&file) != Some(libc::SOCK_SEQPACKET) {
+        return Err(bad("not a SOCK_SEQPACKET socket".into()));
+    }
+    Ok(UnixStream::from(std::os::fd::OwnedFd::from(file)))
+}
+
+/// The socket type (`SOCK_STREAM`, `SOCK_SEQPACKET`...) of `socket`, if it is a socket.
+fn socket_type(socket: &File) -> Option<libc::c_int> {
+    let mut kind: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_TYPE writes one c_int into `kind`, whose size is passed in `len`.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            (&mut kind as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(kind)
+}
+
+/// Receives `Setup`, validates everything it carries and builds the engine. `Ok(None)` when the
+/// frontend closed the socket first.
+fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
+    let (request, files) = match control::recv_request(control) {
+        Ok(message) => message,
+        Err(ControlError::Closed) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let (flags, logical_block_size) = match request {
+        ControlRequest::Setup {
+            flags,
+            logical_block_size,
+        } => (flags, logical_block_size),
+        ControlRequest::SetMemoryTable(_) => return Err(SetupError::NotSetup("SetMemoryTable")),
+        ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
+    };
+    if flags & !SETUP_FLAG_DIRECT_FD != 0 {
+        return Err(SetupError::UnknownFlags(flags));
+    }
+    let got = files.len();
+    let mut files = files.into_iter();
+    let (Some(ring), Some(submit_eventfd), Some(complete_eventfd), Some(buffered)) =
+        (files.next(), files.next(), files.next(), files.next())
+    else {
+        return Err(SetupError::Control(ControlError::FdCount {
+            got,
+            expected: 4,
+        }));
+    };
+    // recv_request checked that the fifth fd is there exactly when the flag says so.
+    let direct = files.next();
+    check_ring_sealed(&ring)?;
+    let ring = SharedRing::open(ring)?;
+    let image = Image::new(buffered, direct, logical_block_size)?;
+    Ok(Some(Engine::new(
+        &ring,
+        submit_eventfd,
+        complete_eventfd,
+        image,
+    )?))
+}
+
+/// The iothread reads slots straight from the ring mapping, so the file must not be able to
+/// shrink under it; `SharedRing::create` seals it that way.
+fn check_ring_sealed(ring: &File) -> Result<(), SetupError> {
+    // SAFETY: F_GET_SEALS only reads the seals of an fd we own.
+    let seals = unsafe { libc::fcntl(ring.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(SetupError::RingNotSealed);
+    }
+    Ok(())
+}

@@ -1,0 +1,837 @@
+//! The iothread loop: one thread, one io_uring, no async runtime. Requests come from the
+//! frontend's shared-memory ring and are executed straight into guest memory.
+//!
+//! Every iteration of [`Engine::run`]:
+//! 1. pops every published slot, validates it into its preallocated [`SlotState`] and queues
+//!    its first operation (a bad slot is completed with `VIRTIO_BLK_S_IOERR` at once);
+//! 2. turns every queued operation into an SQE and submits the whole batch with one
+//!    `io_uring_enter`, which is also where the thread sleeps when there is nothing else to do;
+//! 3. reaps every available CQE, advancing each slot's state machine (continuing short
+//!    transfers, fdatasync after a writethrough write, the next discard range...) and pushing
+//!    the completions of finished requests;
+//! 4. publishes all those completions with one index update, and writes the frontend's eventfd
+//!    only if the frontend announced it was going to sleep.
+//!
+//! Batching is the point (QEMU's dataplane lesson): one system call per batch in each
+//! direction, however many requests the batch holds.
+//!
+//! Two operations besides the requests' are always outstanding, so that the one blocking
+//! `io_uring_enter` also waits for them: a read of the submit eventfd (the frontend's kick) and
+//! a poll of the control socket. Before every blocking wait the iothread announces it is going
+//! to sleep on the submission queue (`prepare_to_sleep`), so the frontend kicks only a sleeping
+//! iothread and new work arriving while I/O is in flight is never missed.
+//!
+//! Control messages are handled only while no request is in flight: a `SetMemoryTable` then
+//! cannot unmap memory the kernel is still transferring into, even from a frontend that breaks
+//! its promise to send it only when idle, and a `Shutdown` finishes and publishes every started
+//! request before the iothread exits. While a message waits, no new work is taken.
+//!
+//! Nothing on the request path allocates or locks: slot state, iovec arrays and the queue of
+//! operations waiting for room in the io_uring are sized at setup.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use blkplane_proto::control::{self, ControlError, ControlReply, ControlRequest};
+use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
+use io_uring::{opcode, squeue, types, IoUring, Probe};
+use log::{debug, error, info, warn};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
+
+use crate::image::Image;
+use crate::memory::MemoryTable;
+use crate::request::{self, RequestError};
+use crate::slot::{FallocateSupport, SlotState, Stage, Step};
+
+/// Operations that are not a slot's: the eventfd read (or poll) and the control poll.
+const RESERVED_OPS: u32 = 2;
+/// Upper bound of the io_uring submission queue; larger batches are submitted in pieces.
+const MAX_SQ_ENTRIES: u32 = 4096;
+/// Upper bound of the per-slot iovec and range buffers, against absurd ring geometries
+/// (4096 slots of 4096 segments need 512 MiB).
+const MAX_SLOT_STATE_BYTES: u64 = 1 << 30;
+/// Bytes of per-slot buffers per segment: one iovec and one range.
+const SLOT_BYTES_PER_SEGMENT: u64 =
+    (std::mem::size_of::<libc::iovec>() + std::mem::size_of::<request::ImageRange>()) as u64;
+
+/// Why the engine stopped with an error. Every one of them ends the process with status 1.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// io_uring could not be set up.
+    #[error("setting up io_uring: {0}")]
+    Uring(io::Error),
+    /// The kernel's io_uring lacks an operation the engine needs.
+    #[error("the kernel's io_uring does not support {0}")]
+    Unsupported(&'static str),
+    /// The per-slot state does not fit in memory.
+    #[error("cannot allocate state for {0} slots")]
+    Alloc(u32),
+    /// `io_uring_enter` failed.
+    #[error("io_uring_enter: {0}")]
+    Enter(io::Error),
+    /// The frontend broke the submission queue (e.g. published more entries than it holds).
+    #[error("submission queue: {0}")]
+    SubmissionQueue(RingError),
+    /// The frontend submitted a slot number outside the slot table.
+    #[error("frontend submitted slot {slot}, but the ring has {count} slots")]
+    BadSlot {
+        /// The slot number.
+        slot: u32,
+        /// Slots in the ring.
+        count: u32,
+    },
+    /// The frontend submitted a slot that was still in flight.
+    #[error("frontend submitted slot {0} again while it was in flight")]
+    SlotBusy(u32),
+    /// Reading a slot failed in a way that is not the request's fault.
+    #[error("{0}")]
+    Slot(RequestError),
+    /// The completion queue had no room: the frontend does not consume completions, or
+    /// submitted a slot again before consuming its completion.
+    #[error("completion queue full")]
+    CompletionQueueFull,
+    /// Waiting on the submit eventfd failed.
+    #[error("submit eventfd: {0}")]
+    Eventfd(io::Error),
+    /// Polling the control socket failed.
+    #[error("polling the control socket: {0}")]
+    ControlPoll(io::Error),
+    /// The control channel failed (other than the peer closing it).
+    #[error("{0}")]
+    Control(ControlError),
+}
+
+impl EngineError {
+    /// The errno to answer a `Setup` with when the engine cannot be created.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Self::Uring(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            Self::Unsupported(_) => libc::ENOSYS,
+            Self::Alloc(_) => libc::ENOMEM,
+            _ => libc::EIO,
+        }
+    }
+}
+
+/// How the engine ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// The frontend sent `Shutdown`.
+    Shutdown,
+    /// The frontend closed the control socket (it exited or died).
+    PeerClosed,
+}
+
+/// What an io_uring operation is for, packed into its user data.
+///
+/// Layout: bits 56..64 a tag, and for slot operations bits 32..40 the [`Stage`] and bits 0..32
+/// the slot number. Anything else decodes to `None` and is ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Token {
+    /// The read of the submit eventfd.
+    SubmitRead,
+    /// The poll of a non-blocking submit eventfd whose read returned `EAGAIN`.
+    SubmitPoll,
+    /// The poll of the control socket.
+    ControlPoll,
+    /// An operation of a request.
+    Slot { slot: u32, stage: Stage },
+}
+
+const TAG_SHIFT: u32 = 56;
+const STAGE_SHIFT: u32 = 32;
+const TAG_SUBMIT_READ: u64 = 1;
+const TAG_SUBMIT_POLL: u64 = 2;
+const TAG_CONTROL_POLL: u64 = 3;
+const TAG_SLOT: u64 = 4;
+
+impl Token {
+    fn encode(self) -> u64 {
+        match self {
+            Self::SubmitRead => TAG_SUBMIT_READ << TAG_SHIFT,
+            Self::SubmitPoll => TAG_SUBMIT_POLL << TAG_SHIFT,
+            Self::ControlPoll => TAG_CONTROL_POLL << TAG_SHIFT,
+            Self::Slot { slot, stage } => {
+                (TAG_SLOT << TAG_SHIFT) | (u64::from(stage as u8) << STAGE_SHIFT) | u64::from(slot)
+            }
+        }
+    }
+
+    fn decode(data: u64) -> Option<Self> {
+        let payload = data & ((1 << TAG_SHIFT) - 1);
+        match (data >> TAG_SHIFT, payload) {
+            (TAG_SUBMIT_READ, 0) => Some(Self::SubmitRead),
+            (TAG_SUBMIT_POLL, 0) => Some(Self::SubmitPoll),
+            (TAG_CONTROL_POLL, 0) => Some(Self::ControlPoll),
+            (TAG_SLOT, _) if payload >> (STAGE_SHIFT + 8) == 0 => Some(Self::Slot {
+                stage: Stage::from_raw((payload >> STAGE_SHIFT) as u8)?,
+                slot: payload as u32,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The io_uring loop of one iothread.
+pub struct Engine {
+    uring: IoUring,
+    core: Core,
+}
+
+/// Everything but the io_uring, so that CQEs can be handled while the completion queue is
+/// borrowed.
+struct Core {
+    slots: SlotTable,
+    states: Vec<SlotState>,
+    submissions: Consumer<u32>,
+    completions: Producer<Completion>,
+    submit_eventfd: File,
+    complete_eventfd: File,
+    /// Where the eventfd read lands; boxed so its address is stable while the read is queued.
+    eventfd_buf: Box<[u8; 8]>,
+    control_fd: RawFd,
+    image: Image,
+    memory: MemoryTable,
+    support: FallocateSupport,
+    /// Operations waiting for room in the io_uring submission queue. Each slot appears at most
+    /// once, so the capacity reserved at setup is never exceeded.
+    pending: VecDeque<Token>,
+    /// Slots between `begin` and their completion.
+    in_flight: usize,
+    /// A control message is waiting to be read.
+    control_ready: bool,
+    complaints: Complaints,
+}
+
+/// Rate-limits per-request warnings so that a misbehaving frontend or failing disk cannot flood
+/// the log: the first few are logged, then only every power-of-two-th.
+#[derive(Default)]
+struct Complaints(u64);
+
+impl Complaints {
+    fn should_log(&mut self) -> bool {
+        self.0 += 1;
+        self.0 <= 16 || self.0.is_power_of_two()
+    }
+}
+
+impl Engine {
+    /// Sets up the io_uring and the per-slot state for `ring`.
+    pub fn new(
+        ring: &SharedRing,
+        submit_eventfd: File,
+        complete_eventfd: File,
+        image: Image,
+    ) -> Result<Self, EngineError> {
+        let slots = ring.slots();
+        let count = slots.count();
+        let uring = build_uring(count)?;
+        check_opcodes(&uring)?;
+        let segments = slots.segments_per_slot() as usize;
+        let state_bytes = u64::from(count) * segments as u64 * SLOT_BYTES_PER_SEGMENT;
+        if state_bytes > MAX_SLOT_STATE_BYTES {
+            return Err(EngineError::Alloc(count));
+        }
+        let mut states = Vec::new();
+        states
+            .try_reserve_exact(count as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
+        states.extend((0..count).map(|_| SlotState::new(segments)));
+        let mut pending = VecDeque::new();
+        pending
+            .try_reserve_exact(count as usize + RESERVED_OPS as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
+        info!(
+            "{count} slots of {segments} segments, io_uring {}/{} entries, image {} bytes{}",
+            uring.params().sq_entries(),
+            uring.params().cq_entries(),
+            image.size(),
+            match image.direct() {
+                Some(_) => format!(", O_DIRECT for {}-byte aligned I/O", image.block_size()),
+                None => String::new(),
+            }
+        );
+        Ok(Self {
+            uring,
+            core: Core {
+                submissions: ring.submission_consumer(),
+                completions: ring.completion_producer(),
+                slots,
+                states,
+                submit_eventfd,
+                complete_eventfd,
+                eventfd_buf: Box::new([0; 8]),
+                control_fd: -1,
+                image,
+                memory: MemoryTable::empty(),
+                support: FallocateSupport::default(),
+                pending,
+                in_flight: 0,
+                control_ready: false,
+                complaints: Complaints::default(),
+            },
+        })
+    }
+
+    /// Serves the ring and the control socket until `Shutdown`, the control socket closing, or
+    /// an error.
+    pub fn run(mut self, control: &UnixStream) -> Result<Exit, EngineError> {
+        self.core.control_fd = control.as_raw_fd();
+        self.core.pending.push_back(Token::SubmitRead);
+        self.core.pending.push_back(Token::ControlPoll);
+        loop {
+            if !self.core.control_ready {
+                self.core.take_new_work()?;
+            }
+            self.queue_sqes()?;
+
+            // Sleep only with nothing left to submit or publish. While a control message
+            // waits no new work is taken, so only in-flight I/O needs to wake us.
+            let idle = self.core.pending.is_empty() && self.core.completions.unpublished() == 0;
+            let mut announced = false;
+            let block = if !idle {
+                false
+            } else if self.core.control_ready {
+                self.core.in_flight > 0
+            } else {
+                announced = self.core.submissions.prepare_to_sleep();
+                announced
+            };
+            self.enter(block)?;
+            if announced {
+                self.core.submissions.woke_up();
+            }
+
+            self.reap()?;
+            self.core.publish();
+            if self.core.control_ready && self.core.in_flight == 0 {
+                if let Some(exit) = self.core.handle_control(control)? {
+                    return Ok(exit);
+                }
+            }
+        }
+    }
+
+    /// Moves queued operations into the io_uring submission queue, submitting whenever it fills
+    /// up. Whatever the kernel cannot take now stays queued for the next iteration.
+    fn queue_sqes(&mut self) -> Result<(), EngineError> {
+        let Self { uring, core } = self;
+        loop {
+            {
+                let mut sq = uring.submission();
+                while !sq.is_full() {
+                    let Some(token) = core.pending.pop_front() else {
+                        break;
+                    };
+                    let Some(entry) = core.sqe(token) else {
+                        continue;
+                    };
+                    // SAFETY: every pointer in the entry stays valid until its CQE: iovecs
+                    // live in the slot's boxed buffer, which is not touched again until the
+                    // slot's operation completes; the iovecs point into guest memory mappings,
+                    // which are only replaced while no request is in flight; the eventfd
+                    // buffer is boxed and owned by the engine; the fds are owned by the engine
+                    // (the control socket is borrowed for the whole of `run`).
+                    if unsafe { sq.push(&entry) }.is_err() {
+                        core.pending.push_front(token);
+                        break;
+                    }
+                }
+            }
+            if core.pending.is_empty() {
+                return Ok(());
+            }
+            match uring.submit() {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if is_transient(&e) => return Ok(()),
+                Err(e) => return Err(EngineError::Enter(e)),
+            }
+        }
+    }
+
+    /// Submits everything in the submission queue and, if `block`, waits for one completion.
+    fn enter(&mut self, block: bool) -> Result<(), EngineError> {
+        let needed = {
+            let sq = self.uring.submission();
+            block || !sq.is_empty() || sq.cq_overflow()
+        };
+        if !needed {
+            return Ok(());
+        }
+        match self.uring.submitter().submit_and_wait(usize::from(block)) {
+            Ok(_) => Ok(()),
+            // Interrupted, or the kernel wants completions reaped first / is short of memory:
+            // the loop reaps and comes back.
+            Err(e) if is_transient(&e) => Ok(()),
+            Err(e) => Err(EngineError::Enter(e)),
+        }
+    }
+
+    /// Handles every available CQE.
+    fn reap(&mut self) -> Result<(), EngineError> {
+        let Self { uring, core } = self;
+        let mut cq = uring.completion();
+        loop {
+            for cqe in &mut cq {
+                core.on_cqe(cqe.user_data(), cqe.result())?;
+            }
+            cq.sync();
+            if cq.is_empty() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+impl Core {
+    /// Pops every published slot and starts it.
+    fn take_new_work(&mut self) -> Result<(), EngineError> {
+        while let Some(slot) = self
+            .submissions
+            .pop()
+            .map_err(EngineError::SubmissionQueue)?
+        {
+            self.start(slot)?;
+        }
+        self.submissions.release();
+        Ok(())
+    }
+
+    fn start(&mut self, slot: u32) -> Result<(), EngineError> {
+        let count = self.slots.count();
+        let state = usize::try_from(slot)
+            .ok()
+            .and_then(|index| self.states.get_mut(index))
+            .ok_or(EngineError::BadSlot { slot, count })?;
+        let (iovecs, ranges) = state.buffers().ok_or(EngineError::SlotBusy(slot))?;
+        let parsed = request::parse(
+            &self.slots,
+            slot,
+            &self.memory,
+            self.image.size(),
+            iovecs,
+            ranges,
+        );
+        match parsed {
+            Ok(request) => {
+                self.in_flight += 1;
+                let step = state.begin(request, &self.support);
+                self.apply(slot, step)
+            }
+            Err(e) if e.is_fatal() => Err(EngineError::Slot(e)),
+            Err(e) => {
+                if self.complaints.should_log() {
+                    warn!("slot {slot}: refusing request: {e}");
+                }
+                self.push_completion(slot, VIRTIO_BLK_S_IOERR)
+            }
+        }
+    }
+
+    /// Carries out what a slot's state machine decided.
+    fn apply(&mut self, slot: u32, step: Step) -> Result<(), EngineError> {
+        match step {
+            Step::Issue(stage) => {
+                self.pending.push_back(Token::Slot { slot, stage });
+                Ok(())
+            }
+            Step::Complete(status) => {
+                self.in_flight = self.in_flight.saturating_sub(1);
+                self.push_completion(slot, status)
+            }
+            Step::Failed(errno) => {
+                if self.complaints.should_log() {
+                    let opcode = self.states.get(slot as usize).map(SlotState::opcode);
+                    warn!(
+                        "slot {slot}: {opcode:?} failed: {}",
+                        io::Error::from_raw_os_error(errno)
+                    );
+                }
+                self.in_flight = self.in_flight.saturating_sub(1);
+                self.push_completion(slot, VIRTIO_BLK_S_IOERR)
+            }
+        }
+    }
+
+    fn push_completion(&mut self, slot: u32, status: u32) -> Result<(), EngineError> {
+        self.completions
+            .push(Completion { slot, status })
+            .map_err(|_| EngineError::CompletionQueueFull)
+    }
+
+    /// Builds the SQE for a queued operation.
+    fn sqe(&mut self, token: Token) -> Option<squeue::Entry> {
+        let buffered = types::Fd(self.image.buffered().as_raw_fd());
+        let entry = match token {
+            Token::SubmitRead => opcode::Read::new(
+                types::Fd(self.submit_eventfd.as_raw_fd()),
+                self.eventfd_buf.as_mut_ptr(),
+                8,
+            )
+            .build(),
+            Token::SubmitPoll => {
+                opcode::PollAdd::new(types::Fd(self.submit_eventfd.as_raw_fd()), poll_in()).build()
+            }
+            Token::ControlPoll => {
+                opcode::PollAdd::new(types::Fd(self.control_fd), poll_in()).build()
+            }
+            Token::Slot { slot, stage } => {
+                let state = self.states.get_mut(slot as usize)?;
+                if state.stage() != Some(stage) {
+                    error!(
+                        "slot {slot}: queued {stage:?} but the slot is {:?}",
+                        state.stage()
+                    );
+                    return None;
+                }
+                match stage {
+                    Stage::Transfer => {
+                        let block_size = self.image.direct().map(|_| self.image.block_size());
+                        let transfer = state.next_transfer(block_size);
+                        let fd = match (transfer.direct, self.image.direct()) {
+                            (true, Some(direct)) => types::Fd(direct.as_raw_fd()),
+                            _ => buffered,
+                        };
+                        if transfer.write {
+                            opcode::Writev::new(fd, transfer.iovecs, transfer.count)
+                                .offset(transfer.offset)
+                                .build()
+                        } else {
+                            opcode::Readv::new(fd, transfer.iovecs, transfer.count)
+                                .offset(transfer.offset)
+                                .build()
+                        }
+                    }
+                    // fdatasync on the buffered fd also covers O_DIRECT writes: same inode.
+                    Stage::Fsync => opcode::Fsync::new(buffered)
+                        .flags(types::FsyncFlags::DATASYNC)
+                        .build(),
+                    Stage::Range => {
+                        let range = state.current_range()?;
+                        opcode::Fallocate::new(buffered, range.len)
+                            .offset(range.offset)
+                            .mode(range.mode)
+                            .build()
+                    }
+                }
+            }
+        };
+        Some(entry.user_data(token.encode()))
+    }
+
+    /// Handles one CQE.
+    fn on_cqe(&mut self, user_data: u64, result: i32) -> Result<(), EngineError> {
+        let errno = if result < 0 { -result } else { 0 };
+        let retry = matches!(errno, libc::EINTR | libc::EAGAIN | libc::ECANCELED);
+        match Token::decode(user_data) {
+            None => warn!("ignoring a completion with unknown user data {user_data:#x}"),
+            Some(Token::SubmitRead) => match errno {
+                0 => self.pending.push_back(Token::SubmitRead),
+                // A non-blocking eventfd: wait for it to become readable, then read it.
+                libc::EAGAIN => {
+                    debug!("submit eventfd is non-blocking: polling it before reading");
+                    self.pending.push_back(Token::SubmitPoll);
+                }
+                _ if retry => self.pending.push_back(Token::SubmitRead),
+                _ => return Err(EngineError::Eventfd(io::Error::from_raw_os_error(errno))),
+            },
+            Some(Token::SubmitPoll) => match errno {
+                0 => self.pending.push_back(Token::SubmitRead),
+                _ if retry => self.pending.push_back(Token::SubmitPoll),
+                _ => return Err(EngineError::Eventfd(io::Error::from_raw_os_error(errno))),
+            },
+            // Re-armed once the message has been handled.
+            Some(Token::ControlPoll) => match errno {
+                0 => self.control_ready = true,
+                _ if retry => self.pending.push_back(Token::ControlPoll),
+                _ => {
+                    return Err(EngineError::ControlPoll(io::Error::from_raw_os_error(
+                        errno,
+                    )))
+                }
+            },
+            Some(Token::Slot { slot, stage }) => {
+                let Some(state) = self.states.get_mut(slot as usize) else {
+                    warn!("ignoring a completion for unknown slot {slot}");
+                    return Ok(());
+                };
+                if state.stage() != Some(stage) {
+                    warn!("ignoring a stale {stage:?} completion for slot {slot}");
+                    return Ok(());
+                }
+                let support = self.support;
+                let step = match stage {
+                    Stage::Transfer => state.on_transfer(result),
+                    Stage::Fsync => state.on_fsync(result),
+                    Stage::Range => state.on_range(result, &mut self.support),
+                };
+                if self.support != support {
+                    info!(
+                        "the image does not support some fallocate modes; now using {:?}",
+                        self.support
+                    );
+                }
+                self.apply(slot, step)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every pushed completion visible, waking the frontend if it sleeps.
+    fn publish(&mut self) {
+        if self.completions.unpublished() == 0 || !self.completions.publish() {
+            return;
+        }
+        match (&self.complete_eventfd).write(&1u64.to_ne_bytes()) {
+            Ok(_) => {}
+            // The counter is saturated: the frontend has a wake-up pending anyway.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => warn!("waking the frontend: {e}"),
+        }
+    }
+
+    /// Reads and answers one control message; returns how to exit if it ends the engine.
+    fn handle_control(&mut self, control: &UnixStream) -> Result<Option<Exit>, EngineError> {
+        self.control_ready = false;
+        let reply = match control::recv_request(control) {
+            Ok((ControlRequest::SetMemoryTable(specs), files)) => {
+                match MemoryTable::map(&specs, &files) {
+                    Ok(table) => {
+                        info!("memory table: {} regions", table.len());
+                        // Unmaps the old table, now that no request can point into it.
+                        self.memory = table;
+                        ControlReply::OK
+                    }
+                    Err(e) => {
+                        warn!("refusing memory table, keeping the old one: {e}");
+                        ControlReply(e.errno())
+                    }
+                }
+            }
+            Ok((ControlRequest::Shutdown, _)) => {
+                if let Err(e) = ControlReply::OK.send(control) {
+                    debug!("answering Shutdown: {e}");
+                }
+                return Ok(Some(Exit::Shutdown));
+            }
+            Ok((ControlRequest::Setup { .. }, _)) => {
+                warn!("refusing a second Setup");
+                ControlReply(libc::EINVAL)
+            }
+            Err(ControlError::Closed) => return Ok(Some(Exit::PeerClosed)),
+            Err(e) => return Err(EngineError::Control(e)),
+        };
+        reply.send(control).map_err(EngineError::Control)?;
+        self.pending.push_back(Token::ControlPoll);
+        Ok(None)
+    }
+}
+
+fn poll_in() -> u32 {
+    libc::POLLIN as u32
+}
+
+fn is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+    )
+}
+
+/// An io_uring with room for every slot's operation in the completion queue, so that it does
+/// not overflow while all slots are in flight.
+fn build_uring(slot_count: u32) -> Result<IoUring, EngineError> {
+    let wanted = slot_count
+        .saturating_add(RESERVED_OPS)
+        .checked_next_power_of_two()
+        .unwrap_or(1 << 31);
+    let sq_entries = wanted.clamp(8, MAX_SQ_ENTRIES);
+    let cq_entries = wanted.max(2 * sq_entries);
+    // Cooperative task running and single issuer only save work; older kernels refuse them.
+    IoUring::builder()
+        .setup_cqsize(cq_entries)
+        .setup_clamp()
+        .setup_coop_taskrun()
+        .setup_single_issuer()
+        .build(sq_entries)
+        .or_else(|_| {
+            IoUring::builder()
+                .setup_cqsize(cq_entries)
+                .setup_clamp()
+                .build(sq_entries)
+        })
+        .map_err(EngineError::Uring)
+}
+
+fn check_opcodes(uring: &IoUring) -> Result<(), EngineError> {
+    let mut probe = Probe::new();
+    uring
+        .submitter()
+        .register_probe(&mut probe)
+        .map_err(EngineError::Uring)?;
+    for (code, name) in [
+        (opcode::Readv::CODE, "READV"),
+        (opcode::Writev::CODE, "WRITEV"),
+        (opcode::Fsync::CODE, "FSYNC"),
+        (opcode::Fallocate::CODE, "FALLOCATE"),
+        (opcode::Read::CODE, "READ"),
+        (opcode::PollAdd::CODE, "POLL_ADD"),
+    ] {
+        if !probe.is_supported(code) {
+            return Err(EngineError::Unsupported(name));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::tests::memfd;
+    use std::os::fd::FromRawFd;
+
+    fn eventfd() -> File {
+        // SAFETY: plain syscall; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh fd owned by nobody else.
+        unsafe { File::from_raw_fd(fd) }
+    }
+
+    fn engine() -> (SharedRing, Engine) {
+        let ring = SharedRing::create(4, 2).unwrap();
+        let image = Image::new(memfd(1 << 20), None, 512).unwrap();
+        let engine = Engine::new(&ring, eventfd(), eventfd(), image).unwrap();
+        (ring, engine)
+    }
+
+    #[test]
+    fn unknown_and_stale_completions_are_ignored() {
+        let (_ring, mut engine) = engine();
+        let core = &mut engine.core;
+        for data in [
+            0,
+            u64::MAX,
+            Token::Slot {
+                slot: 99,
+                stage: Stage::Transfer,
+            }
+            .encode(),
+            // Slot 0 is idle: nothing of it can be in flight.
+            Token::Slot {
+                slot: 0,
+                stage: Stage::Fsync,
+            }
+            .encode(),
+        ] {
+            core.on_cqe(data, 0).unwrap();
+            core.on_cqe(data, -libc::EIO).unwrap();
+        }
+        assert!(core.pending.is_empty());
+        assert_eq!(core.in_flight, 0);
+        assert_eq!(core.completions.unpublished(), 0);
+    }
+
+    #[test]
+    fn eventfd_and_control_completions_rearm() {
+        let (_ring, mut engine) = engine();
+        let core = &mut engine.core;
+        core.on_cqe(Token::SubmitRead.encode(), 8).unwrap();
+        assert_eq!(core.pending.pop_front(), Some(Token::SubmitRead));
+        // A non-blocking eventfd with nothing to read: poll first.
+        core.on_cqe(Token::SubmitRead.encode(), -libc::EAGAIN)
+            .unwrap();
+        assert_eq!(core.pending.pop_front(), Some(Token::SubmitPoll));
+        core.on_cqe(Token::SubmitPoll.encode(), libc::POLLIN.into())
+            .unwrap();
+        assert_eq!(core.pending.pop_front(), Some(Token::SubmitRead));
+        core.on_cqe(Token::SubmitRead.encode(), -libc::EINTR)
+            .unwrap();
+        assert_eq!(core.pending.pop_front(), Some(Token::SubmitRead));
+        assert!(core
+            .on_cqe(Token::SubmitRead.encode(), -libc::EBADF)
+            .is_err());
+
+        core.on_cqe(Token::ControlPoll.encode(), libc::POLLIN.into())
+            .unwrap();
+        assert!(core.control_ready);
+        assert!(
+            core.pending.is_empty(),
+            "re-armed only after the message is read"
+        );
+        assert!(core
+            .on_cqe(Token::ControlPoll.encode(), -libc::EBADF)
+            .is_err());
+    }
+
+    #[test]
+    fn oversized_slot_state_is_refused() {
+        let ring = SharedRing::create(1 << 16, 1024);
+        // The ring itself may be too large to create here; only check when it exists.
+        if let Ok(ring) = ring {
+            let image = Image::new(memfd(4096), None, 512).unwrap();
+            assert!(matches!(
+                Engine::new(&ring, eventfd(), eventfd(), image),
+                Err(EngineError::Alloc(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn tokens_round_trip() {
+        for token in [
+            Token::SubmitRead,
+            Token::SubmitPoll,
+            Token::ControlPoll,
+            Token::Slot {
+                slot: 0,
+                stage: Stage::Transfer,
+            },
+            Token::Slot {
+                slot: u32::MAX,
+                stage: Stage::Range,
+            },
+            Token::Slot {
+                slot: 77,
+                stage: Stage::Fsync,
+            },
+        ] {
+            assert_eq!(Token::decode(token.encode()), Some(token), "{token:?}");
+        }
+    }
+
+    #[test]
+    fn garbage_user_data_decodes_to_nothing() {
+        for data in [
+            0,
+            u64::MAX,
+            (TAG_SUBMIT_READ << TAG_SHIFT) | 1,
+            (TAG_CONTROL_POLL << TAG_SHIFT) | (1 << 40),
+            (TAG_SLOT << TAG_SHIFT) | 5,
+            (TAG_SLOT << TAG_SHIFT) | (9 << STAGE_SHIFT),
+            (TAG_SLOT << TAG_SHIFT) | (1 << 40) | (1 << STAGE_SHIFT),
+            99 << TAG_SHIFT,
+        ] {
+            assert_eq!(Token::decode(data), None, "{data:#x}");
+        }
+    }
+
+    #[test]
+    fn complaints_are_rate_limited() {
+        let mut complaints = Complaints::default();
+        let logged = (0..10_000).filter(|_| complaints.should_log()).count();
+        assert!(logged < 30, "{logged}");
+    }
+
+    #[test]
+    fn uring_has_room_for_every_slot() {
+        let uring = build_uring(1000).unwrap();
+        assert!(uring.params().cq_entries() >= 1002);
+        assert!(uring.params().sq_entries() >= 8);
+        check_opcodes(&uring).unwrap();
+    }
+}
