@@ -212,6 +212,12 @@ impl SegmentSink for SlotSink<'_> {
     }
 }
 
+/// Takes the next available head off the avail ring. An avail index more than a queue size
+/// ahead of ours is the driver breaking the ring, reported as an error.
+fn next_head(queue: &mut Queue, mem: &GuestMemoryMmap) -> Result<Option<u16>, virtio_queue::Error> {
+    Ok(queue.iter(mem)?.next().map(|chain| chain.head_index()))
+}
+
 /// Signals an eventfd owned by the VMM; a full counter (EAGAIN) means it is signalled already.
 fn signal(file: &File) {
     let _ = (&*file).write(&1u64.to_ne_bytes());
@@ -411,11 +417,9 @@ impl Worker {
                 let Some(Some(rq)) = self.queues.get_mut(local) else {
                     return;
                 };
-                let head = match rq.queue.iter(mem) {
-                    Ok(mut chains) => match chains.next() {
-                        Some(chain) => chain.head_index(),
-                        None => break,
-                    },
+                let head = match next_head(&mut rq.queue, mem) {
+                    Ok(Some(head)) => head,
+                    Ok(None) => break,
                     Err(e) => return self.break_queue(local, &e.to_string()),
                 };
                 self.handle_chain(local, head, &memory);
@@ -730,5 +734,70 @@ impl Worker {
             }
         }
         self.notify_guests();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::tests::two_regions;
+
+    fn ring(mem: &GuestMemoryMmap) -> Queue {
+        let mut queue = Queue::new(16).unwrap();
+        queue
+            .try_set_desc_table_address(GuestAddress(0x1000))
+            .unwrap();
+        queue
+            .try_set_avail_ring_address(GuestAddress(0x2000))
+            .unwrap();
+        queue
+            .try_set_used_ring_address(GuestAddress(0x3000))
+            .unwrap();
+        queue.set_ready(true);
+        assert!(queue.is_valid(mem));
+        queue
+    }
+
+    fn publish(mem: &GuestMemoryMmap, idx: u16, heads: &[u16]) {
+        for (i, head) in heads.iter().enumerate() {
+            mem.write_obj(*head, GuestAddress(0x2004 + 2 * i as u64))
+                .unwrap();
+        }
+        mem.write_obj(idx, GuestAddress(0x2002)).unwrap();
+    }
+
+    #[test]
+    fn heads_are_taken_in_order() {
+        let table = two_regions();
+        let mem = table.guest_memory();
+        let mut queue = ring(mem);
+        publish(mem, 2, &[5, 3]);
+        assert_eq!(next_head(&mut queue, mem).unwrap(), Some(5));
+        assert_eq!(next_head(&mut queue, mem).unwrap(), Some(3));
+        assert_eq!(next_head(&mut queue, mem).unwrap(), None);
+    }
+
+    #[test]
+    fn avail_index_more_than_a_queue_ahead_breaks_the_ring() {
+        let table = two_regions();
+        let mem = table.guest_memory();
+        let mut queue = ring(mem);
+        publish(mem, 17, &[]);
+        assert!(next_head(&mut queue, mem).is_err());
+        // Exactly a queue's worth is legal.
+        publish(mem, 16, &[]);
+        assert!(next_head(&mut queue, mem).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_head_outside_the_table_is_reported_by_the_parser() {
+        let table = two_regions();
+        let mem = table.guest_memory();
+        let mut queue = ring(mem);
+        publish(mem, 1, &[40]);
+        let head = next_head(&mut queue, mem).unwrap().unwrap();
+        let mut scratch = Vec::new();
+        let result = request::collect_chain(mem, GuestAddress(0x1000), 16, head, &mut scratch);
+        assert_eq!(result, Err(ChainError::HeadOutOfRange(40)));
     }
 }
