@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use clap::Parser;
 use log::{error, info};
-use vhost::vhost_user::{BackendListener, Listener};
+use vhost::vhost_user::{BackendReqHandler, Listener};
 
 use crate::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
 use crate::image::Image;
@@ -135,10 +135,8 @@ fn run(args: Args) -> Result<(), String> {
         workers.push(worker);
     }
     let backend = Arc::new(Mutex::new(BlkBackend::new(Arc::clone(&disk), workers)));
-    let mut listener = Listener::new(&args.socket, true)
+    let listener = Listener::new(&args.socket, true)
         .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
-    let mut backend_listener = BackendListener::new(&mut listener, Arc::clone(&backend))
-        .map_err(|e| format!("listener: {e}"))?;
     info!(
         "serving {} ({} sectors{}) on {}",
         args.image.display(),
@@ -147,8 +145,8 @@ fn run(args: Args) -> Result<(), String> {
         args.socket.display()
     );
     loop {
-        let mut connection = match backend_listener.accept() {
-            Ok(Some(connection)) => connection,
+        let mut connection = match listener.accept() {
+            Ok(Some(stream)) => BackendReqHandler::from_stream(stream, Arc::clone(&backend)),
             Ok(None) => continue,
             Err(e) => {
                 error!("accept: {e}");
@@ -162,6 +160,8 @@ fn run(args: Args) -> Result<(), String> {
                 break e;
             }
         };
+        // Any error ends the session: a GET_* request that failed has no reply to send, so
+        // the VMM would wait forever on a connection kept open.
         info!("VMM disconnected: {reason}");
         drop(connection);
         match backend.lock() {

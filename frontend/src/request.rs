@@ -309,6 +309,9 @@ pub fn parse(
         ([_], None) | ([], None) => return Err(no_status(RequestError::StatusMissing)),
         (_, None) => return Err(no_status(RequestError::StatusReadOnly)),
     };
+    if !last.is_write_only() {
+        return Err(no_status(RequestError::StatusReadOnly));
+    }
     if last.len() == 0 {
         return Err(no_status(RequestError::StatusEmpty));
     }
@@ -861,6 +864,10 @@ mod tests {
             error(f.chain(&[(0x2000, 16, 0), (0x5000, 0, WRITE)])),
             RequestError::StatusEmpty
         );
+        // A readable last descriptor after writable data: nothing may be written into it.
+        let ro_after_data = f.chain(&[(0x2000, 16, 0), (0x3000, 512, WRITE), (0x5000, 1, 0)]);
+        assert_eq!(ro_after_data.clone().unwrap_err().status, None);
+        assert_eq!(error(ro_after_data), RequestError::StatusReadOnly);
         let outside = f.chain(&[(0x2000, 16, 0), (1 << 40, 1, WRITE)]);
         assert_eq!(outside.clone().unwrap_err().status, None);
         assert!(matches!(error(outside), RequestError::OutsideMemory(_)));

@@ -1,0 +1,237 @@
+//! An iothread killed with SIGKILL in the middle of I/O: the frontend starts a new one and
+//! resubmits what was in flight, so the client sees neither an error nor wrong data.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use blkplane_tests::client::errno_name;
+use blkplane_tests::frontend::{iothread_pids, kill_iothread};
+use blkplane_tests::*;
+
+const MIB: u64 = 1 << 20;
+const CHUNK: usize = 64 * 1024;
+const DEPTH: usize = 8;
+/// Requests that must complete between two kills (and before the first), so every kill lands
+/// in the middle of busy queues rather than after the I/O is over.
+const OPS_BETWEEN_KILLS: usize = 300;
+/// Upper bound on the whole I/O phase.
+const IO_DEADLINE: Duration = Duration::from_secs(90);
+/// At most this many client errors are recorded (the first ones tell the story).
+const MAX_ERRORS: usize = 10;
+
+/// Sets the flag when dropped, also while unwinding, so the killer thread never waits for I/O
+/// loops that have died.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn seed(queue: usize, round: u64, chunk: usize) -> u64 {
+    ((queue as u64) << 56) | (round << 32) | chunk as u64
+}
+
+/// Runs write+verify rounds on every queue (one thread each, QD [`DEPTH`], each queue on its
+/// own part of the image) while another thread SIGKILLs `kills` iothreads, one at a time, each
+/// after [`OPS_BETWEEN_KILLS`] more completions. The I/O goes on until every queue has done
+/// one whole round after the last kill. Then nothing may have failed, every byte must be
+/// right, and the iothreads that were not killed must be the same processes.
+fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize) {
+    let dir = TempDir::new("crash");
+    let size = 16 * MIB;
+    let per_queue = size / queues as u64;
+    let chunks = (per_queue / CHUNK as u64) as usize;
+    let img = create_image(&dir.join("disk.img"), size);
+    let (q_arg, t_arg) = (queues.to_string(), iothreads.to_string());
+    let mut fe = Frontend::start(&img, &["--num-queues", &q_arg, "--iothreads", &t_arg]);
+    let fe_pid = fe.pid();
+    let mut c = Client::connect_with(
+        fe.socket(),
+        &ClientOptions {
+            num_queues: queues as i32,
+            buf_size: DEPTH * CHUNK,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("connect: {e}"));
+    let first = fe.wait_iothreads(iothreads, &[], Duration::from_secs(10));
+
+    let progress = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let killer_done = AtomicBool::new(false);
+    let killed = Mutex::new(Vec::<u32>::new());
+    let errors = Mutex::new(Vec::<String>::new());
+    let error = |e: String| {
+        let mut errors = errors.lock().unwrap();
+        if errors.len() < MAX_ERRORS {
+            errors.push(e);
+        }
+    };
+
+    let (killer_result, last_rounds) = std::thread::scope(|s| {
+        let killer = s.spawn(|| -> Result<(), String> {
+            let _done = SetOnDrop(&killer_done);
+            for k in 0..kills {
+                let target = progress.load(Ordering::SeqCst) + OPS_BETWEEN_KILLS;
+                wait_for(Duration::from_secs(60), || {
+                    (stop.load(Ordering::SeqCst) || progress.load(Ordering::SeqCst) >= target)
+                        .then_some(())
+                })
+                .ok_or(format!("kill {k}: no I/O progress for 60 s"))?;
+                if stop.load(Ordering::SeqCst) {
+                    return Err(format!("kill {k}: the I/O stopped first"));
+                }
+                let dead = killed.lock().unwrap().clone();
+                let victim = iothread_pids(fe_pid)
+                    .into_iter()
+                    .find(|p| !dead.contains(p))
+                    .ok_or(format!("kill {k}: no iothread to kill"))?;
+                if !kill_iothread(fe_pid, victim) {
+                    return Err(format!("kill {k}: could not kill iothread {victim}"));
+                }
+                let at = progress.load(Ordering::SeqCst);
+                killed.lock().unwrap().push(victim);
+                let dead = killed.lock().unwrap().clone();
+                let all = wait_for(Duration::from_secs(10), || {
+                    let now = iothread_pids(fe_pid);
+                    (now.len() == iothreads && now.iter().all(|p| !dead.contains(p))).then_some(now)
+                })
+                .ok_or(format!(
+                    "kill {k}: iothreads not complete 10 s after killing {victim}"
+                ))?;
+                println!("killed iothread {victim} after {at} requests; iothreads now {all:?}");
+            }
+            Ok(())
+        });
+
+        let _stop = SetOnDrop(&stop);
+        let deadline = Instant::now() + IO_DEADLINE;
+        let workers: Vec<_> = c
+            .queues_mut()
+            .iter_mut()
+            .enumerate()
+            .map(|(qi, q)| {
+                let (progress, killer_done, error) = (&progress, &killer_done, &error);
+                s.spawn(move || {
+                    let base = qi as u64 * per_queue;
+                    let mut round = 0u64;
+                    loop {
+                        let clean_round = killer_done.load(Ordering::SeqCst);
+                        q.pipeline(
+                            chunks,
+                            DEPTH,
+                            |i, slot| {
+                                slot[..CHUNK].copy_from_slice(&pattern(seed(qi, round, i), CHUNK));
+                                Op::Write {
+                                    offset: base + (i * CHUNK) as u64,
+                                    buf: 0,
+                                    len: CHUNK,
+                                }
+                            },
+                            |i, _, ret| {
+                                progress.fetch_add(1, Ordering::SeqCst);
+                                if ret != 0 {
+                                    error(format!(
+                                        "queue {qi} round {round}: write {i}: {}",
+                                        errno_name(-ret)
+                                    ));
+                                }
+                            },
+                        );
+                        q.pipeline(
+                            chunks,
+                            DEPTH,
+                            |i, _| Op::Read {
+                                offset: base + (i * CHUNK) as u64,
+                                buf: 0,
+                                len: CHUNK,
+                            },
+                            |i, slot, ret| {
+                                progress.fetch_add(1, Ordering::SeqCst);
+                                if ret != 0 {
+                                    error(format!(
+                                        "queue {qi} round {round}: read {i}: {}",
+                                        errno_name(-ret)
+                                    ));
+                                } else if slot[..CHUNK] != pattern(seed(qi, round, i), CHUNK)[..] {
+                                    error(format!(
+                                        "queue {qi} round {round}: chunk {i} reads back wrong data"
+                                    ));
+                                }
+                            },
+                        );
+                        if clean_round || Instant::now() >= deadline {
+                            return round;
+                        }
+                        round += 1;
+                    }
+                })
+            })
+            .collect();
+        let last_rounds: Vec<u64> = workers
+            .into_iter()
+            .map(|w| w.join().expect("I/O thread panicked"))
+            .collect();
+        stop.store(true, Ordering::SeqCst);
+        (killer.join().expect("killer thread panicked"), last_rounds)
+    });
+
+    let errors = errors.into_inner().unwrap();
+    assert!(
+        errors.is_empty(),
+        "the client saw errors around the iothread kills: {errors:#?}"
+    );
+    killer_result.unwrap_or_else(|e| panic!("{e}"));
+    for q in c.queues_mut() {
+        q.flush()
+            .unwrap_or_else(|e| panic!("flush: {}", errno_name(e)));
+    }
+    drop(c);
+    let file = read_file(&img);
+    for (qi, &round) in last_rounds.iter().enumerate() {
+        for i in 0..chunks {
+            let at = (qi as u64 * per_queue) as usize + i * CHUNK;
+            assert_same_data(
+                &format!("image file, queue {qi} chunk {i}"),
+                &file[at..at + CHUNK],
+                &pattern(seed(qi, round, i), CHUNK),
+            );
+        }
+    }
+    fe.assert_running("iothread kills");
+    let killed = killed.into_inner().unwrap();
+    let now = fe.wait_iothreads(iothreads, &killed, Duration::from_secs(10));
+    for p in &first {
+        assert_eq!(
+            killed.contains(p),
+            !now.contains(p),
+            "iothread {p}: only the killed iothreads may change (before {first:?}, killed \
+             {killed:?}, now {now:?})"
+        );
+    }
+    let stderr = fe.stderr();
+    for line in stderr.lines().filter(|l| l.contains("resubmitted")) {
+        println!("frontend: {line}");
+    }
+    println!(
+        "{kills} SIGKILL(s) among {iothreads} iothread(s) during QD {DEPTH} I/O on {queues} \
+         queue(s): {} requests, rounds per queue {:?}, zero client errors, image file verified; \
+         iothreads {first:?} -> {now:?}",
+        progress.load(Ordering::SeqCst),
+        last_rounds.iter().map(|r| r + 1).collect::<Vec<_>>()
+    );
+    fe.finish();
+}
+
+#[test]
+fn iothread_sigkill_during_io() {
+    sigkill_during_io(1, 1, 2);
+}
+
+#[test]
+fn one_of_two_iothreads_sigkilled_during_io() {
+    sigkill_during_io(2, 2, 1);
+}
