@@ -92,6 +92,12 @@ impl Client {
     pub fn queues_mut(&mut self) -> &mut [IoQueue] {
         &mut self.queues
     }
+
+    /// The libblkio instance (to map and unmap memory regions) and the queues at the same
+    /// time, so that one thread changes the memory table while others do I/O.
+    pub fn split_mut(&mut self) -> (&mut Blkio, &mut [IoQueue]) {
+        (&mut self.blkio, &mut self.queues)
+    }
 }
 
 /// One request for [`IoQueue::submit`]. `buf` values are byte offsets into the queue's buffer
@@ -314,6 +320,23 @@ impl IoQueue {
         match done[0].1 {
             0 => Ok(()),
             ret => Err(-ret),
+        }
+    }
+
+    /// Reads `len` bytes at device `offset` into `buf`, which must lie in a memory region
+    /// mapped with `map_mem_region` (not necessarily this queue's).
+    ///
+    /// # Safety
+    /// `buf` must be valid for writes of `len` bytes until this returns.
+    pub unsafe fn read_into(&mut self, offset: u64, buf: *mut u8, len: usize) -> Result<(), i32> {
+        assert_eq!(self.in_flight, 0, "read_into() needs an idle queue");
+        self.q.read(offset, buf, len, 0, ReqFlags::empty());
+        self.in_flight += 1;
+        let done = self.wait(1);
+        match done.first().map(|c| c.1) {
+            Some(0) => Ok(()),
+            Some(ret) => Err(-ret),
+            None => Err(libc::EIO),
         }
     }
 
