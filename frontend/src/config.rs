@@ -30,6 +30,36 @@ pub const MAX_DISCARD_SECTORS: u32 = 1 << 22;
 /// Bytes the serial (GET_ID) answer holds.
 pub const SERIAL_LEN: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as usize;
 
+/// A set of CPUs, sorted, without duplicates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuList(pub Vec<usize>);
+
+/// Parses a CPU list such as `0-1,3` (the format of `taskset -c` and cpuset files).
+pub fn parse_cpu_list(text: &str) -> Result<CpuList, String> {
+    let limit = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    let mut cpus = Vec::new();
+    for part in text.split(',') {
+        let part = part.trim();
+        let (first, last) = match part.split_once('-') {
+            Some((a, b)) => (a, b),
+            None => (part, part),
+        };
+        let parse = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("{text:?}: {part:?} is not a CPU number or range"))
+        };
+        let (first, last) = (parse(first)?, parse(last)?);
+        if first > last || last >= limit {
+            return Err(format!("{text:?}: bad CPU range {part:?}"));
+        }
+        cpus.extend(first..=last);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Ok(CpuList(cpus))
+}
+
 /// How the image is accessed and what the guest is told about its write cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CacheMode {
@@ -61,6 +91,8 @@ pub struct DiskConfig {
     pub block_size: u32,
     /// The guest's write-cache-enable setting (CONFIG_WCE); false means writethrough.
     writeback: AtomicBool,
+    /// The setting the device starts with, from the cache mode.
+    default_writeback: bool,
 }
 
 impl DiskConfig {
@@ -86,6 +118,7 @@ impl DiskConfig {
             queue_size,
             block_size,
             writeback: AtomicBool::new(cache != CacheMode::Writethrough),
+            default_writeback: cache != CacheMode::Writethrough,
         }
     }
 
@@ -97,6 +130,17 @@ impl DiskConfig {
     /// Capacity in sectors.
     pub fn capacity(&self) -> u64 {
         self.capacity.load(Ordering::Relaxed)
+    }
+
+    /// Sets the capacity from a new image size (resize).
+    pub fn set_capacity_bytes(&self, bytes: u64) {
+        self.capacity
+            .store(Self::sectors(bytes, self.block_size), Ordering::Relaxed);
+    }
+
+    /// Capacity in bytes.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity() << SECTOR_SHIFT
     }
 
     /// Whether writes may complete before they are durable.
@@ -149,6 +193,7 @@ impl DiskConfig {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::RESET_DEVICE
+            | VhostUserProtocolFeatures::BACKEND_REQ
     }
 
     /// The config space as the guest reads it now.
@@ -182,6 +227,12 @@ impl DiskConfig {
         let start = usize::try_from(offset).ok()?;
         let end = start.checked_add(usize::try_from(size).ok()?)?;
         bytes.get(start..end).map(<[u8]>::to_vec)
+    }
+
+    /// Restores the write-cache setting the device starts with (device reset).
+    pub fn reset_writeback(&self) {
+        self.writeback
+            .store(self.default_writeback, Ordering::Relaxed);
     }
 
     /// Applies a config-space write from the guest. Only `wce` is writable (CONFIG_WCE).
@@ -259,12 +310,27 @@ mod tests {
     }
 
     #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0").unwrap().0, vec![0]);
+        assert_eq!(parse_cpu_list("0-2,5,1").unwrap().0, vec![0, 1, 2, 5]);
+        assert!(parse_cpu_list("").is_err());
+        assert!(parse_cpu_list("2-1").is_err());
+        assert!(parse_cpu_list("a").is_err());
+        assert!(parse_cpu_list("0-100000").is_err());
+    }
+
+    #[test]
     fn guest_toggles_the_write_cache() {
         let d = disk(false, CacheMode::Writethrough);
         assert!(!d.writeback());
         let wce = std::mem::offset_of!(virtio_blk_config, wce) as u32;
         d.write_config(wce, &[1]).unwrap();
         assert!(d.writeback());
+        d.reset_writeback();
+        assert!(
+            !d.writeback(),
+            "a device reset restores the cache mode's setting"
+        );
         assert!(d.write_config(0, &[1]).is_err());
         assert!(d.write_config(wce, &[1, 2]).is_err());
     }

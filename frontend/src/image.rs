@@ -1,12 +1,105 @@
 //! Opening the disk image: a regular file or a block device, buffered and (for
-//! `--cache direct`) O_DIRECT.
+//! `--cache direct`) O_DIRECT; or a null image (`--image null:SIZE`), a benchmarking aid whose
+//! reads return zeros and whose writes are dropped, with no file behind it at all.
 
+use std::ffi::OsString;
+use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::config::CacheMode;
+
+/// The `--image` prefix that selects a null image; a file whose name starts with it is given
+/// as `./null:...`.
+const NULL_PREFIX: &[u8] = b"null:";
+
+/// What `--image` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageSpec {
+    /// A regular file or block device.
+    Path(PathBuf),
+    /// A null image of `size` bytes: reads return zeros, writes are dropped, flush, discard and
+    /// write-zeroes succeed. Requests still travel through the ring and an iothread, so that
+    /// the data path can be measured without any I/O.
+    Null {
+        /// Capacity in bytes.
+        size: u64,
+    },
+}
+
+/// Why an `--image` argument was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImageSpecError {
+    /// `null:` with a size that is not a number with an optional K/M/G/T suffix.
+    #[error("{0:?}: the null image size must be bytes, or a number with a K, M, G or T suffix")]
+    BadSize(String),
+    /// `null:0`.
+    #[error("the null image size must not be zero")]
+    ZeroSize,
+    /// A size that does not fit 64 bits.
+    #[error("{0:?}: the null image size is too large")]
+    TooLarge(String),
+}
+
+impl ImageSpec {
+    /// Parses an `--image` argument: `null:SIZE` (SIZE in bytes, or with a binary K/M/G/T
+    /// suffix, e.g. `null:8G`) or a path. Paths need not be UTF-8.
+    pub fn parse(arg: OsString) -> Result<Self, ImageSpecError> {
+        match arg.as_bytes().strip_prefix(NULL_PREFIX) {
+            Some(size) => Ok(Self::Null {
+                size: parse_size(&String::from_utf8_lossy(size))?,
+            }),
+            None => Ok(Self::Path(PathBuf::from(arg))),
+        }
+    }
+
+    /// The size of a null image, `None` for a path.
+    pub fn null_size(&self) -> Option<u64> {
+        match self {
+            Self::Null { size } => Some(*size),
+            Self::Path(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for ImageSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Path(path) => write!(f, "{}", path.display()),
+            Self::Null { size } => write!(f, "null:{size}"),
+        }
+    }
+}
+
+/// Parses `SIZE` of `null:SIZE`: decimal digits and an optional K, M, G or T (either case,
+/// powers of 1024, as QEMU reads sizes).
+fn parse_size(text: &str) -> Result<u64, ImageSpecError> {
+    let bad = || ImageSpecError::BadSize(text.to_owned());
+    let (digits, shift) = match text.as_bytes().last() {
+        Some(b'k' | b'K') => (&text[..text.len() - 1], 10),
+        Some(b'm' | b'M') => (&text[..text.len() - 1], 20),
+        Some(b'g' | b'G') => (&text[..text.len() - 1], 30),
+        Some(b't' | b'T') => (&text[..text.len() - 1], 40),
+        _ => (text, 0),
+    };
+    // u64::from_str would also take a leading '+'; only plain digits are a size.
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let value: u64 = digits
+        .parse()
+        .map_err(|_| ImageSpecError::TooLarge(text.to_owned()))?;
+    let size = value
+        .checked_mul(1 << shift)
+        .ok_or_else(|| ImageSpecError::TooLarge(text.to_owned()))?;
+    if size == 0 {
+        return Err(ImageSpecError::ZeroSize);
+    }
+    Ok(size)
+}
 
 /// Why the image could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -32,10 +125,41 @@ pub enum ImageError {
     },
 }
 
-/// The open image: a buffered descriptor (always) and an O_DIRECT one when asked for and
+/// The image the iothreads serve.
+#[derive(Debug)]
+pub enum Image {
+    /// A regular file or block device.
+    File(FileImage),
+    /// A null image of `size` bytes; the iothreads get no fd for it.
+    Null {
+        /// Capacity in bytes.
+        size: u64,
+    },
+}
+
+impl Image {
+    /// Opens what `spec` names for `cache`, read-only when `read_only` (a null image needs no
+    /// opening; `read_only` still makes the frontend refuse writes).
+    pub fn open(spec: &ImageSpec, read_only: bool, cache: CacheMode) -> Result<Self, ImageError> {
+        match spec {
+            ImageSpec::Path(path) => FileImage::open(path, read_only, cache).map(Self::File),
+            ImageSpec::Null { size } => Ok(Self::Null { size: *size }),
+        }
+    }
+
+    /// Size in bytes: the disk's capacity.
+    pub fn size(&self) -> u64 {
+        match self {
+            Self::File(file) => file.size,
+            Self::Null { size } => *size,
+        }
+    }
+}
+
+/// An open image file: a buffered descriptor (always) and an O_DIRECT one when asked for and
 /// the file system allows it. Each iothread receives duplicates of both.
 #[derive(Debug)]
-pub struct Image {
+pub struct FileImage {
     /// Opened without O_DIRECT: flushes and buffers O_DIRECT cannot take.
     pub buffered: File,
     /// Opened with O_DIRECT, for `--cache direct`.
@@ -44,7 +168,7 @@ pub struct Image {
     pub size: u64,
 }
 
-impl Image {
+impl FileImage {
     /// Opens `path` for `cache`, read-only when `read_only`.
     pub fn open(path: &Path, read_only: bool, cache: CacheMode) -> Result<Self, ImageError> {
         let open = |flags: i32| {
@@ -97,6 +221,7 @@ impl Image {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::OsStr;
 
     #[test]
     fn opens_files_and_refuses_directories() {
@@ -104,19 +229,103 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("disk.img");
         std::fs::write(&path, vec![0u8; 8192]).unwrap();
-        let image = Image::open(&path, false, CacheMode::Writeback).unwrap();
+        let image = FileImage::open(&path, false, CacheMode::Writeback).unwrap();
         assert_eq!(image.size, 8192);
         assert!(image.direct.is_none());
-        let ro = Image::open(&path, true, CacheMode::Direct).unwrap();
-        assert_eq!(ro.size, 8192);
+        let ro = Image::open(&ImageSpec::Path(path), true, CacheMode::Direct).unwrap();
+        assert!(matches!(ro, Image::File(_)));
+        assert_eq!(ro.size(), 8192);
         assert!(matches!(
-            Image::open(&dir, true, CacheMode::Writeback),
+            FileImage::open(&dir, true, CacheMode::Writeback),
             Err(ImageError::NotAFileOrBlockDevice(_))
         ));
         assert!(matches!(
-            Image::open(&dir.join("missing"), false, CacheMode::Writeback),
+            FileImage::open(&dir.join("missing"), false, CacheMode::Writeback),
             Err(ImageError::Open { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn parse(arg: &str) -> Result<ImageSpec, ImageSpecError> {
+        ImageSpec::parse(arg.into())
+    }
+
+    fn null(size: u64) -> Result<ImageSpec, ImageSpecError> {
+        Ok(ImageSpec::Null { size })
+    }
+
+    #[test]
+    fn null_sizes_in_bytes_and_with_suffixes() {
+        assert_eq!(parse("null:512"), null(512));
+        assert_eq!(parse("null:1048576"), null(1 << 20));
+        assert_eq!(parse("null:4K"), null(4 << 10));
+        assert_eq!(parse("null:4k"), null(4 << 10));
+        assert_eq!(parse("null:64M"), null(64 << 20));
+        assert_eq!(parse("null:8G"), null(8 << 30));
+        assert_eq!(parse("null:8g"), null(8 << 30));
+        assert_eq!(parse("null:2T"), null(2 << 40));
+        assert_eq!(parse("null:007"), null(7), "leading zeros are digits");
+        assert_eq!(parse("null:16777215T"), null(16_777_215 << 40));
+    }
+
+    #[test]
+    fn bad_null_sizes_are_refused() {
+        for bad in [
+            "null:",
+            "null:G",
+            "null:8X",
+            "null:8GB",
+            "null:8 G",
+            "null: 8",
+            "null:+8",
+            "null:-8",
+            "null:1.5G",
+            "null:0x10",
+            "null:8Gi",
+        ] {
+            assert!(
+                matches!(parse(bad), Err(ImageSpecError::BadSize(_))),
+                "{bad}: {:?}",
+                parse(bad)
+            );
+        }
+        assert_eq!(parse("null:0"), Err(ImageSpecError::ZeroSize));
+        assert_eq!(parse("null:0G"), Err(ImageSpecError::ZeroSize));
+        for huge in ["null:16777216T", "null:18446744073709551616"] {
+            assert!(
+                matches!(parse(huge), Err(ImageSpecError::TooLarge(_))),
+                "{huge}"
+            );
+        }
+    }
+
+    #[test]
+    fn everything_else_is_a_path() {
+        for path in [
+            "/dev/shm/disk.img",
+            "./null:8G",
+            "nul:8G",
+            "NULL:8G",
+            "disk",
+        ] {
+            assert_eq!(parse(path), Ok(ImageSpec::Path(PathBuf::from(path))));
+        }
+        // Not UTF-8: still a path.
+        let raw = OsStr::from_bytes(b"/tmp/\xff.img").to_owned();
+        assert_eq!(
+            ImageSpec::parse(raw.clone()),
+            Ok(ImageSpec::Path(PathBuf::from(raw)))
+        );
+    }
+
+    #[test]
+    fn null_image_needs_no_file() {
+        let spec = parse("null:8G").unwrap();
+        assert_eq!(spec.null_size(), Some(8 << 30));
+        assert_eq!(spec.to_string(), format!("null:{}", 8u64 << 30));
+        let image = Image::open(&spec, false, CacheMode::Direct).unwrap();
+        assert!(matches!(image, Image::Null { size } if size == 8 << 30));
+        assert_eq!(image.size(), 8 << 30);
+        assert_eq!(ImageSpec::Path("/x".into()).null_size(), None);
     }
 }

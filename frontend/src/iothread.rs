@@ -11,7 +11,7 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD,
+    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -72,6 +72,8 @@ pub struct IothreadLink {
     /// Written by the iothread to wake this worker.
     pub complete_event: EventFd,
     process: Option<Process>,
+    /// CPUs the process may run on (`--iothread-cpus`); all when `None`.
+    cpus: Option<libc::cpu_set_t>,
 }
 
 impl IothreadLink {
@@ -97,7 +99,19 @@ impl IothreadLink {
             submit_event: EventFd::new(EFD_NONBLOCK)?,
             complete_event: EventFd::new(EFD_NONBLOCK)?,
             process: None,
+            cpus: None,
         })
+    }
+
+    /// Restricts this iothread (from its next start on) to `cpus`.
+    pub fn set_cpus(&mut self, cpus: &[usize]) {
+        // SAFETY: an all-zero cpu_set_t is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &cpu in cpus {
+            // SAFETY: CPU_SET ignores CPUs beyond the set's capacity (the CLI bounds them).
+            unsafe { libc::CPU_SET(cpu, &mut set) };
+        }
+        self.cpus = Some(set);
     }
 
     /// The control socket, which reports hang-up when the process dies; `None` when no
@@ -126,12 +140,13 @@ impl IothreadLink {
         self.completions = self.ring.completion_consumer();
         let (ours, theirs) = control::socket_pair()?;
         let child_fd = theirs.as_raw_fd();
+        let cpus = self.cpus;
         let mut command = Command::new(&self.binary);
         command
             .arg("--control-fd")
             .arg(CHILD_CONTROL_FD.to_string());
-        // SAFETY: the closure only calls async-signal-safe functions (dup2, fcntl, prctl)
-        // between fork and exec.
+        // SAFETY: the closure only calls async-signal-safe functions (dup2, fcntl, prctl,
+        // sched_setaffinity) between fork and exec, on values prepared before the fork.
         unsafe {
             command.pre_exec(move || {
                 if child_fd == CHILD_CONTROL_FD {
@@ -144,6 +159,11 @@ impl IothreadLink {
                 // The iothread must never outlive its frontend.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
                     return Err(io::Error::last_os_error());
+                }
+                if let Some(set) = &cpus {
+                    if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
                 }
                 Ok(())
             });
@@ -169,16 +189,25 @@ impl IothreadLink {
             self.ring.file().as_raw_fd(),
             self.submit_event.as_raw_fd(),
             self.complete_event.as_raw_fd(),
-            self.image.buffered.as_raw_fd(),
         ];
-        let mut flags = 0;
-        if let Some(direct) = &self.image.direct {
-            fds.push(direct.as_raw_fd());
-            flags |= SETUP_FLAG_DIRECT_FD;
-        }
+        let (flags, image_size) = match &*self.image {
+            Image::File(file) => {
+                fds.push(file.buffered.as_raw_fd());
+                match &file.direct {
+                    Some(direct) => {
+                        fds.push(direct.as_raw_fd());
+                        (SETUP_FLAG_DIRECT_FD, 0)
+                    }
+                    // The iothread reads a file's size from the fd itself.
+                    None => (0, 0),
+                }
+            }
+            Image::Null { size } => (SETUP_FLAG_NULL_IMAGE, *size),
+        };
         let request = ControlRequest::Setup {
             flags,
             logical_block_size: self.block_size,
+            image_size,
         };
         self.call(&request, &fds)?;
         self.set_memory(memory)

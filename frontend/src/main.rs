@@ -2,11 +2,15 @@
 //! disk. It validates the virtqueues itself and hands batches of requests to its
 //! `blkplane-iothread` processes over shared-memory rings.
 
+mod admin;
+mod backend_channel;
 mod config;
 mod image;
 mod iothread;
 mod memory;
 mod request;
+mod resize;
+mod stats;
 mod vhost_user;
 mod worker;
 
@@ -14,13 +18,20 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
+use clap::builder::TypedValueParser;
 use clap::Parser;
 use log::{error, info};
 use vhost::vhost_user::{BackendReqHandler, Listener};
 
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
+
+use crate::backend_channel::BackendChannel;
 use crate::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
-use crate::image::Image;
+use crate::image::{Image, ImageSpec};
 use crate::iothread::IothreadLink;
+use crate::resize::DiskResizer;
+use crate::stats::DeviceStatus;
 use crate::vhost_user::BlkBackend;
 use crate::worker::WorkerHandle;
 
@@ -32,8 +43,11 @@ struct Args {
     #[arg(long)]
     socket: PathBuf,
     /// Disk image: a regular file or a block device. Its size is the disk's capacity.
-    #[arg(long)]
-    image: PathBuf,
+    /// `null:SIZE` (bytes, or with a K/M/G/T suffix, e.g. null:8G) serves a null image instead,
+    /// a benchmarking aid: reads return zeros, writes are dropped, nothing touches a disk.
+    #[arg(long, value_name = "PATH|null:SIZE",
+          value_parser = clap::builder::OsStringValueParser::new().try_map(ImageSpec::parse))]
+    image: ImageSpec,
     /// Offer the disk read-only (VIRTIO_BLK_F_RO); writes, discards and write-zeroes fail.
     #[arg(long)]
     read_only: bool,
@@ -52,6 +66,12 @@ struct Args {
     /// Logical block size reported to the guest, in bytes.
     #[arg(long, default_value_t = 512, value_parser = parse_block_size)]
     block_size: u32,
+    /// CPUs the iothreads may run on, e.g. `0-1,3` (default: all).
+    #[arg(long, value_parser = config::parse_cpu_list)]
+    iothread_cpus: Option<config::CpuList>,
+    /// UNIX socket for blkplaned's admin channel (status, statistics, resize); none if unset.
+    #[arg(long)]
+    admin_socket: Option<PathBuf>,
     /// Host cache mode: direct (O_DIRECT), writeback or writethrough.
     #[arg(long, value_enum, default_value_t = CacheMode::Direct)]
     cache: CacheMode,
@@ -89,15 +109,22 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), String> {
+    if let Some(size) = args.image.null_size() {
+        // A file's partial last block is simply not exposed; a null image has no reason to
+        // have one.
+        if size % u64::from(args.block_size) != 0 {
+            return Err(format!(
+                "the null image size {size} is not a multiple of the block size {}",
+                args.block_size
+            ));
+        }
+    }
     let image = Image::open(&args.image, args.read_only, args.cache).map_err(|e| e.to_string())?;
-    if image.size < u64::from(args.block_size) {
-        return Err(format!(
-            "image {} is smaller than one block",
-            args.image.display()
-        ));
+    if image.size() < u64::from(args.block_size) {
+        return Err(format!("image {} is smaller than one block", args.image));
     }
     let disk = Arc::new(DiskConfig::new(
-        image.size,
+        image.size(),
         args.read_only,
         &args.serial,
         args.num_queues,
@@ -114,6 +141,8 @@ fn run(args: Args) -> Result<(), String> {
     let image = Arc::new(image);
     // More iothreads than queues would idle.
     let iothreads = args.iothreads.min(args.num_queues);
+    let status = Arc::new(DeviceStatus::new(args.num_queues, iothreads));
+    let backend_channel = Arc::new(BackendChannel::default());
     let mut workers = Vec::with_capacity(usize::from(iothreads));
     for index in 0..iothreads {
         let queue_ids: Vec<u16> = (index..args.num_queues)
@@ -121,7 +150,7 @@ fn run(args: Args) -> Result<(), String> {
             .collect();
         let slot_count =
             u32::try_from(queue_ids.len()).unwrap_or(u32::MAX) * u32::from(args.queue_size);
-        let link = IothreadLink::new(
+        let mut link = IothreadLink::new(
             usize::from(index),
             iothread_binary.clone(),
             Arc::clone(&image),
@@ -130,16 +159,38 @@ fn run(args: Args) -> Result<(), String> {
             disk.segments_per_slot(),
         )
         .map_err(|e| e.to_string())?;
-        let worker = WorkerHandle::spawn(usize::from(index), Arc::clone(&disk), link, queue_ids)
-            .map_err(|e| format!("starting iothread {index}: {e}"))?;
+        if let Some(cpus) = &args.iothread_cpus {
+            link.set_cpus(&cpus.0);
+        }
+        let worker = WorkerHandle::spawn(
+            usize::from(index),
+            Arc::clone(&disk),
+            Arc::clone(&status),
+            link,
+            queue_ids,
+        )
+        .map_err(|e| format!("starting iothread {index}: {e}"))?;
         workers.push(worker);
     }
-    let backend = Arc::new(Mutex::new(BlkBackend::new(Arc::clone(&disk), workers)));
+    let backend = Arc::new(Mutex::new(BlkBackend::new(
+        Arc::clone(&disk),
+        Arc::clone(&status),
+        Arc::clone(&backend_channel),
+        workers,
+    )));
+    if let Some(path) = &args.admin_socket {
+        let resizer = DiskResizer::new(
+            Arc::clone(&disk),
+            Arc::clone(&image),
+            Arc::clone(&backend_channel),
+        );
+        admin::serve(path, Arc::clone(&status), Arc::new(resizer)).map_err(|e| e.to_string())?;
+    }
     let listener = Listener::new(&args.socket, true)
         .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
     info!(
         "serving {} ({} sectors{}) on {}",
-        args.image.display(),
+        args.image,
         disk.capacity(),
         if args.read_only { ", read-only" } else { "" },
         args.socket.display()
@@ -155,9 +206,13 @@ fn run(args: Args) -> Result<(), String> {
             }
         };
         info!("VMM connected");
+        status.vmm_connected.store(true, Ordering::Relaxed);
         let reason = loop {
-            if let Err(e) = connection.handle_request() {
+            if let Err(e) = peek_backend_channel(connection.as_raw_fd(), &backend_channel) {
                 break e;
+            }
+            if let Err(e) = connection.handle_request() {
+                break e.to_string();
             }
         };
         // Any error ends the session: a GET_* request that failed has no reply to send, so
@@ -165,8 +220,27 @@ fn run(args: Args) -> Result<(), String> {
         info!("VMM disconnected: {reason}");
         drop(connection);
         match backend.lock() {
-            Ok(mut device) => device.reset(),
-            Err(poisoned) => poisoned.into_inner().reset(),
+            Ok(mut device) => device.disconnect(),
+            Err(poisoned) => poisoned.into_inner().disconnect(),
         }
+        status.vmm_connected.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Waits for the next vhost-user message; when it is SET_BACKEND_REQ_FD keeps a duplicate of
+/// its descriptor (see backend_channel.rs). Errors end the session.
+fn peek_backend_channel(socket: RawFd, channel: &BackendChannel) -> Result<(), String> {
+    match backend_channel::peek_request_code(socket) {
+        Ok(None) => Err("connection closed".into()),
+        Err(e) => Err(e.to_string()),
+        Ok(Some(code)) if backend_channel::is_set_backend_req_fd(code) => {
+            match backend_channel::peek_attached_fd(socket) {
+                Ok(Some(fd)) => channel.set_pending(fd),
+                Ok(None) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+            Ok(())
+        }
+        Ok(Some(_)) => Ok(()),
     }
 }

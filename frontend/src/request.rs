@@ -28,6 +28,10 @@ const HEADER_LEN: u32 = 16;
 /// Size of `struct virtio_blk_discard_write_zeroes`.
 const RANGE_LEN: u32 = 16;
 const DESC_SIZE: u64 = size_of::<Descriptor>() as u64;
+/// Most descriptors an indirect table may hold. Linux sizes its tables by seg_max (+2), not by
+/// the ring size the VMM chose, so the ring size is no bound here; QEMU's virtio core allows
+/// the same 1024 (VIRTQUEUE_MAX_SIZE).
+pub const MAX_INDIRECT_DESCRIPTORS: u16 = 1024;
 
 /// A chain that cannot be walked. No status byte can be trusted, so such a chain is returned
 /// with used length 0 (or, for a bad head, dropped).
@@ -45,6 +49,10 @@ pub enum ChainError {
     /// More descriptors than the queue has: a loop, or a chain longer than allowed.
     #[error("descriptor chain longer than the queue size {0}")]
     TooLong(u16),
+    /// An indirect table with more than [`MAX_INDIRECT_DESCRIPTORS`] entries, or a loop in
+    /// one.
+    #[error("indirect descriptor table of more than {MAX_INDIRECT_DESCRIPTORS} entries, or a loop in it")]
+    IndirectTooLong,
     /// An indirect descriptor inside an indirect table.
     #[error("indirect descriptor inside an indirect table")]
     NestedIndirect,
@@ -185,6 +193,8 @@ pub struct Request {
     pub status: GuestAddress,
     /// Bytes of data (reads and writes), for the used length.
     pub data_len: u32,
+    /// Bytes the request covers on the image: the data, or the sum of the ranges.
+    pub bytes: u64,
     /// Segments written to the sink.
     pub segments: u32,
 }
@@ -214,7 +224,8 @@ impl SegmentSink for Vec<Segment> {
 }
 
 /// Walks the chain starting at `head` into `out` (cleared first), following one level of
-/// indirection. At most `queue_size` descriptors are accepted in all.
+/// indirection. At most `queue_size` descriptors are accepted from the ring's own table, and
+/// at most [`MAX_INDIRECT_DESCRIPTORS`] from an indirect one.
 pub fn collect_chain(
     memory: &GuestMemoryMmap,
     desc_table: GuestAddress,
@@ -248,11 +259,12 @@ pub fn collect_chain(
                 return Err(ChainError::IndirectTableLength(len));
             }
             let count = u64::from(len) / DESC_SIZE;
-            if count + out.len() as u64 > limit as u64 {
-                return Err(ChainError::TooLong(queue_size));
+            if count > u64::from(MAX_INDIRECT_DESCRIPTORS) {
+                return Err(ChainError::IndirectTooLong);
             }
-            // count <= queue_size <= 32768, so it fits u16.
+            // count <= 1024, so it fits u16.
             let count = count as u16;
+            let indirect_limit = out.len() + usize::from(count);
             let table = desc.addr();
             let mut inner = 0u16;
             loop {
@@ -260,8 +272,8 @@ pub fn collect_chain(
                 if d.refers_to_indirect_table() {
                     return Err(ChainError::NestedIndirect);
                 }
-                if out.len() >= limit {
-                    return Err(ChainError::TooLong(queue_size));
+                if out.len() >= indirect_limit {
+                    return Err(ChainError::IndirectTooLong);
                 }
                 out.push(d);
                 if !d.has_next() {
@@ -359,10 +371,11 @@ pub fn parse(
     let sector = u64::from_le_bytes(s);
     let readable_payload = readable_len - u64::from(HEADER_LEN);
 
-    let request = |kind, data_len, segments| Request {
+    let request = |kind, data_len: u32, bytes, segments| Request {
         kind,
         status,
         data_len,
+        bytes,
         segments,
     };
     match request_type {
@@ -393,14 +406,14 @@ pub fn parse(
             } else {
                 RequestKind::Write { offset }
             };
-            Ok(request(kind, data_len, segments))
+            Ok(request(kind, data_len, u64::from(data_len), segments))
         }
-        VIRTIO_BLK_T_FLUSH => Ok(request(RequestKind::Flush, 0, 0)),
+        VIRTIO_BLK_T_FLUSH => Ok(request(RequestKind::Flush, 0, 0, 0)),
         VIRTIO_BLK_T_GET_ID => {
             if writable_data < SERIAL_LEN as u64 {
                 return Err(reject(RequestError::GetIdTooSmall(writable_data as u32)));
             }
-            Ok(request(RequestKind::GetId, 0, 0))
+            Ok(request(RequestKind::GetId, 0, 0, 0))
         }
         VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
             if writable_data != 0 {
@@ -410,14 +423,15 @@ pub fn parse(
                 return Err(reject(RequestError::ReadOnly));
             }
             let is_discard = request_type == VIRTIO_BLK_T_DISCARD;
-            let segments = parse_ranges(memory, readable, readable_payload, is_discard, disk, sink)
-                .map_err(reject)?;
+            let (segments, bytes) =
+                parse_ranges(memory, readable, readable_payload, is_discard, disk, sink)
+                    .map_err(reject)?;
             let kind = if is_discard {
                 RequestKind::Discard
             } else {
                 RequestKind::WriteZeroes
             };
-            Ok(request(kind, 0, segments))
+            Ok(request(kind, 0, bytes, segments))
         }
         other => Err(reject(RequestError::UnsupportedType(other))),
     }
@@ -572,7 +586,7 @@ fn parse_ranges(
     is_discard: bool,
     disk: &DiskConfig,
     sink: &mut impl SegmentSink,
-) -> Result<u32, RequestError> {
+) -> Result<(u32, u64), RequestError> {
     if payload == 0 || !payload.is_multiple_of(u64::from(RANGE_LEN)) {
         return Err(RequestError::RangeListLength(payload as u32));
     }
@@ -582,6 +596,7 @@ fn parse_ranges(
     }
     // count <= 32.
     let count = count as u32;
+    let mut bytes = 0u64;
     for i in 0..count {
         let mut raw = [0u8; RANGE_LEN as usize];
         let skip = u64::from(HEADER_LEN) + u64::from(i * RANGE_LEN);
@@ -619,8 +634,9 @@ fn parse_ranges(
             aux: unmap,
         })
         .map_err(|()| RequestError::TooManySegments(count))?;
+        bytes += len;
     }
-    Ok(count)
+    Ok((count, bytes))
 }
 
 #[cfg(test)]
@@ -808,9 +824,27 @@ mod tests {
             error(f.parse_head(1)),
             ChainError::IndirectTableLength(17).into()
         );
-        // Indirect table longer than the queue.
-        f.set_desc(TABLE, 1, Descriptor::new(ind, 16 * 17, INDIRECT, 0));
-        assert_eq!(error(f.parse_head(1)), ChainError::TooLong(QSIZE).into());
+        // An indirect table may be longer than the ring (Linux sizes it by seg_max)...
+        f.header(0x2000, VIRTIO_BLK_T_IN, 0);
+        for i in 0..19u16 {
+            f.set_desc(
+                ind,
+                i,
+                Descriptor::new(0x3000 + u64::from(i) * 512, 512, WRITE | NEXT, i + 1),
+            );
+        }
+        f.set_desc(ind, 0, Descriptor::new(0x2000, 16, NEXT, 1));
+        f.set_desc(ind, 19, Descriptor::new(0x5000, 1, WRITE, 0));
+        f.set_desc(TABLE, 1, Descriptor::new(ind, 16 * 20, INDIRECT, 0));
+        let (req, _) = f.parse_head(1).unwrap();
+        assert_eq!(req.data_len, 18 * 512);
+        // ...but not longer than 1024 entries, and a loop inside it is caught.
+        let too_long = 16 * (u32::from(MAX_INDIRECT_DESCRIPTORS) + 1);
+        f.set_desc(TABLE, 1, Descriptor::new(ind, too_long, INDIRECT, 0));
+        assert_eq!(error(f.parse_head(1)), ChainError::IndirectTooLong.into());
+        f.set_desc(ind, 0, Descriptor::new(0x2000, 16, NEXT, 0));
+        f.set_desc(TABLE, 1, Descriptor::new(ind, 16 * 4, INDIRECT, 0));
+        assert_eq!(error(f.parse_head(1)), ChainError::IndirectTooLong.into());
         // Indirect with NEXT.
         f.set_desc(TABLE, 1, Descriptor::new(ind, 16, INDIRECT | NEXT, 2));
         assert_eq!(error(f.parse_head(1)), ChainError::IndirectWithNext.into());

@@ -9,6 +9,7 @@
 
 use std::fs::File;
 use std::io;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use log::{info, warn};
@@ -25,8 +26,10 @@ use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 
+use crate::backend_channel::BackendChannel;
 use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
 use crate::memory::{MemoryTable, RegionDescriptor};
+use crate::stats::DeviceStatus;
 use crate::worker::{Command, VringStart, WorkerHandle};
 
 /// Setup state of one ring as the VMM has described it so far.
@@ -48,6 +51,8 @@ struct VringSetup {
 /// The device state behind one vhost-user socket; it outlives connections.
 pub struct BlkBackend {
     disk: Arc<DiskConfig>,
+    status: Arc<DeviceStatus>,
+    backend_channel: Arc<BackendChannel>,
     workers: Vec<WorkerHandle>,
     acked_features: u64,
     acked_protocol_features: u64,
@@ -67,12 +72,19 @@ fn handler_error(e: impl std::fmt::Display) -> VhostError {
 
 impl BlkBackend {
     /// A device for `disk` whose queue `q` is served by `workers[q % workers.len()]`.
-    pub fn new(disk: Arc<DiskConfig>, workers: Vec<WorkerHandle>) -> Self {
+    pub fn new(
+        disk: Arc<DiskConfig>,
+        status: Arc<DeviceStatus>,
+        backend_channel: Arc<BackendChannel>,
+        workers: Vec<WorkerHandle>,
+    ) -> Self {
         let vrings = (0..disk.num_queues)
             .map(|_| VringSetup::default())
             .collect();
         Self {
             disk,
+            status,
+            backend_channel,
             workers,
             acked_features: 0,
             acked_protocol_features: 0,
@@ -221,9 +233,12 @@ impl BlkBackend {
         Ok(())
     }
 
-    /// Returns the device to its initial state: rings stopped (after draining), memory
-    /// released, features forgotten. Used on RESET_DEVICE, RESET_OWNER and disconnect.
-    pub fn reset(&mut self) {
+    /// RESET_DEVICE: the virtio device returns to its initial state — rings stopped (after
+    /// draining) and forgotten, virtio features and the guest's write-cache setting back to
+    /// their defaults. What belongs to the vhost-user session stays: guest memory, protocol
+    /// features and the back-end channel, which the VMM does not send again (the guest driver
+    /// resets the device at every probe and reboot).
+    pub fn reset_device_state(&mut self) {
         for index in 0..self.disk.num_queues {
             if let Err(e) = self.stop(index) {
                 warn!("reset: stopping queue {index}: {e}");
@@ -233,7 +248,19 @@ impl BlkBackend {
             .map(|_| VringSetup::default())
             .collect();
         self.acked_features = 0;
+        self.status.acked_features.store(0, Ordering::Relaxed);
+        self.disk.reset_writeback();
+    }
+
+    /// The VMM disconnected: reset the device and end the session — memory released,
+    /// protocol features and back-end channel forgotten — ready for the next connection.
+    pub fn disconnect(&mut self) {
+        self.reset_device_state();
         self.acked_protocol_features = 0;
+        self.backend_channel.clear();
+        self.status
+            .acked_protocol_features
+            .store(0, Ordering::Relaxed);
         if !self.memory.is_empty() {
             if let Err(e) = self.install_memory(MemoryTable::empty()) {
                 warn!("reset: releasing guest memory: {e}");
@@ -261,12 +288,12 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn reset_owner(&mut self) -> VhostResult<()> {
-        self.reset();
+        self.reset_device_state();
         Ok(())
     }
 
     fn reset_device(&mut self) -> VhostResult<()> {
-        self.reset();
+        self.reset_device_state();
         Ok(())
     }
 
@@ -280,6 +307,9 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             return Err(invalid(&format!("features {unknown:#x} were not offered")));
         }
         self.acked_features = features;
+        self.status
+            .acked_features
+            .store(features, Ordering::Relaxed);
         Ok(())
     }
 
@@ -383,6 +413,9 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             )));
         }
         self.acked_protocol_features = features;
+        self.status
+            .acked_protocol_features
+            .store(features, Ordering::Relaxed);
         Ok(())
     }
 
@@ -420,7 +453,11 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         self.disk.write_config(offset, buf).map_err(handler_error)
     }
 
-    fn set_backend_req_fd(&mut self, _backend: Backend) {}
+    fn set_backend_req_fd(&mut self, _backend: Backend) {
+        // The crate validated the descriptor; use the duplicate taken by the peek (see
+        // backend_channel.rs). The crate's own `Backend` cannot send CONFIG_CHANGE_MSG.
+        self.backend_channel.adopt();
+    }
 
     fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> VhostResult<()> {
         Err(VhostError::InvalidOperation("not a GPU"))

@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use blkplane_proto::ring::{Completion, Opcode, SlotHeader, SlotTable, SLOT_FLAG_SYNC};
 use log::{error, info, warn};
@@ -32,6 +32,7 @@ use crate::config::DiskConfig;
 use crate::iothread::IothreadLink;
 use crate::memory::MemoryTable;
 use crate::request::{self, ChainError, Rejected, RequestKind, SegmentSink};
+use crate::stats::{DeviceStatus, QueueCounters};
 
 const TOKEN_COMMAND: u64 = u64::MAX;
 const TOKEN_COMPLETION: u64 = u64::MAX - 1;
@@ -108,6 +109,7 @@ impl WorkerHandle {
     pub fn spawn(
         index: usize,
         disk: Arc<DiskConfig>,
+        status: Arc<DeviceStatus>,
         mut link: IothreadLink,
         queue_ids: Vec<u16>,
     ) -> io::Result<Self> {
@@ -119,6 +121,7 @@ impl WorkerHandle {
         let slot_count = link.slots.count() as usize;
         let mut worker = Worker {
             index,
+            status,
             queues: queue_ids.iter().map(|_| None).collect(),
             queue_ids,
             disk,
@@ -132,7 +135,10 @@ impl WorkerHandle {
             wake: wake.try_clone()?,
             rejections: 0,
         };
-        worker.scratch.reserve(usize::from(worker.disk.queue_size));
+        worker.scratch.reserve(
+            usize::from(worker.disk.queue_size) + usize::from(request::MAX_INDIRECT_DESCRIPTORS),
+        );
+        worker.publish_iothread_pid();
         worker.watch(worker.wake.as_raw_fd(), TOKEN_COMMAND)?;
         worker.watch(worker.link.complete_event.as_raw_fd(), TOKEN_COMPLETION)?;
         if let Some(fd) = worker.link.control_fd() {
@@ -157,13 +163,31 @@ impl WorkerHandle {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct SlotState {
     in_flight: bool,
     local_queue: u16,
     head: u16,
     status: GuestAddress,
     used_len: u32,
+    opcode: Opcode,
+    bytes: u64,
+    popped: Instant,
+}
+
+impl Default for SlotState {
+    fn default() -> Self {
+        Self {
+            in_flight: false,
+            local_queue: 0,
+            head: 0,
+            status: GuestAddress(0),
+            used_len: 0,
+            opcode: Opcode::Flush,
+            bytes: 0,
+            popped: Instant::now(),
+        }
+    }
 }
 
 struct RunningQueue {
@@ -178,6 +202,8 @@ struct RunningQueue {
 
 struct Worker {
     index: usize,
+    /// Counters and status for the admin channel.
+    status: Arc<DeviceStatus>,
     disk: Arc<DiskConfig>,
     /// Device queue index of each local queue.
     queue_ids: Vec<u16>,
@@ -231,6 +257,32 @@ fn drain_eventfd(fd: RawFd) {
 }
 
 impl Worker {
+    fn counters(&self, local: usize) -> Option<&QueueCounters> {
+        self.queue_ids
+            .get(local)
+            .and_then(|&queue| self.status.queue(queue))
+    }
+
+    fn publish_iothread_pid(&self) {
+        if let Some(iothread) = self.status.iothreads.get(self.index) {
+            iothread.pid.store(
+                self.link.pid().unwrap_or(0),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+    }
+
+    fn set_queue_flags(&self, local: usize, running: bool, broken: bool) {
+        if let Some(counters) = self.counters(local) {
+            counters
+                .running
+                .store(running, std::sync::atomic::Ordering::Relaxed);
+            counters
+                .broken
+                .store(broken, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     fn watch(&self, fd: RawFd, token: u64) -> io::Result<()> {
         self.epoll.ctl(
             ControlOperation::Add,
@@ -320,6 +372,7 @@ impl Worker {
                             broken: false,
                         });
                     }
+                    self.set_queue_flags(local, true, false);
                     // The driver may have queued requests before the ring started.
                     self.process_queue(local);
                     self.flush_submissions();
@@ -363,6 +416,7 @@ impl Worker {
         });
         let rq = self.queues.get_mut(local)?.take()?;
         self.unwatch(rq.kick.as_raw_fd());
+        self.set_queue_flags(local, false, false);
         Some(rq.queue.next_avail())
     }
 
@@ -452,7 +506,7 @@ impl Worker {
                 return self.break_queue(local, "avail ring names a head outside the table");
             }
             Err(e) => {
-                self.note_rejection(local, &e.to_string());
+                self.note_rejection(local, &e.to_string(), false);
                 return self.complete_now(local, head, None, 0, mem);
             }
         }
@@ -469,7 +523,7 @@ impl Worker {
         let request = match parsed {
             Ok(request) => request,
             Err(Rejected { error, status }) => {
-                self.note_rejection(local, &error.to_string());
+                self.note_rejection(local, &error.to_string(), status.is_some());
                 let used = u32::from(status.is_some());
                 let status = status.map(|addr| (addr, error.status()));
                 return self.complete_now(local, head, status, used, mem);
@@ -482,9 +536,15 @@ impl Worker {
                     Err(_) => VIRTIO_BLK_S_IOERR as u8,
                 };
                 let used = request.used_len();
+                if let Some(counters) = self.counters(local) {
+                    counters.answered(u32::from(status) == VIRTIO_BLK_S_OK);
+                }
                 return self.complete_now(local, head, Some((request.status, status)), used, mem);
             }
             RequestKind::Read { .. } | RequestKind::Write { .. } if request.data_len == 0 => {
+                if let Some(counters) = self.counters(local) {
+                    counters.answered(true);
+                }
                 let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
                 return self.complete_now(local, head, ok, 1, mem);
             }
@@ -528,7 +588,13 @@ impl Worker {
                 head,
                 status: request.status,
                 used_len: request.used_len(),
+                opcode,
+                bytes: request.bytes,
+                popped: Instant::now(),
             };
+        }
+        if let Some(counters) = self.counters(local) {
+            counters.submitted();
         }
         if let Some(Some(rq)) = self.queues.get_mut(local) {
             rq.in_flight += 1;
@@ -536,7 +602,10 @@ impl Worker {
         self.in_flight += 1;
     }
 
-    fn note_rejection(&mut self, local: usize, why: &str) {
+    fn note_rejection(&mut self, local: usize, why: &str, with_status: bool) {
+        if let Some(counters) = self.counters(local) {
+            counters.rejected(with_status);
+        }
         self.rejections = self.rejections.saturating_add(1);
         let queue = self.queue_ids.get(local).copied().unwrap_or(u16::MAX);
         if self.rejections <= LOUD_REJECTIONS {
@@ -576,6 +645,15 @@ impl Worker {
             return;
         };
         if !rq.broken {
+            if let Some(counters) = self
+                .queue_ids
+                .get(local)
+                .and_then(|&q| self.status.queue(q))
+            {
+                counters
+                    .broken
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             error!("queue {queue}: ring broken by the driver, no longer served until reset: {why}");
             rq.broken = true;
             if let Some(err) = &rq.err {
@@ -648,6 +726,10 @@ impl Worker {
         if let Some(Some(rq)) = self.queues.get_mut(local) {
             rq.in_flight = rq.in_flight.saturating_sub(1);
         }
+        if let Some(counters) = self.counters(local) {
+            let ok = u32::from(status) == VIRTIO_BLK_S_OK;
+            counters.completed(state.opcode, state.bytes, ok, state.popped.elapsed());
+        }
         self.complete_now(local, state.head, Some((state.status, status)), used, mem);
         Ok(())
     }
@@ -696,6 +778,12 @@ impl Worker {
                     std::thread::sleep(Duration::from_millis(50 << attempt));
                 }
             }
+        }
+        self.publish_iothread_pid();
+        if let Some(iothread) = self.status.iothreads.get(self.index) {
+            iothread
+                .restarts
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         if let Some(fd) = self.link.control_fd() {
             if let Err(e) = self.watch(fd, TOKEN_IOTHREAD) {

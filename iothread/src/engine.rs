@@ -28,6 +28,11 @@
 //!
 //! Nothing on the request path allocates or locks: slot state, iovec arrays and the queue of
 //! operations waiting for room in the io_uring are sized at setup.
+//!
+//! A null image (`--image null:SIZE`, a benchmarking aid) takes the same path up to step 1:
+//! there each validated request is executed on the spot ([`SlotState::run_null`] zero-fills
+//! read buffers, everything else has nothing to do) and its completion pushed, so the batch is
+//! published in step 4 without any SQE having been queued for it.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -245,9 +250,10 @@ impl Engine {
             .try_reserve_exact(count as usize + RESERVED_OPS as usize)
             .map_err(|_| EngineError::Alloc(count))?;
         info!(
-            "{count} slots of {segments} segments, io_uring {}/{} entries, image {} bytes{}",
+            "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}",
             uring.params().sq_entries(),
             uring.params().cq_entries(),
+            if image.is_null() { "null" } else { "file" },
             image.size(),
             match image.direct() {
                 Some(_) => format!(", O_DIRECT for {}-byte aligned I/O", image.block_size()),
@@ -408,7 +414,7 @@ impl Core {
             .and_then(|index| self.states.get_mut(index))
             .ok_or(EngineError::BadSlot { slot, count })?;
         let (iovecs, ranges) = state.buffers().ok_or(EngineError::SlotBusy(slot))?;
-        let parsed = request::parse(
+        let mut parsed = request::parse(
             &self.slots,
             slot,
             &self.memory,
@@ -416,10 +422,30 @@ impl Core {
             iovecs,
             ranges,
         );
+        if matches!(&parsed, Err(e) if e.is_outside_image()) && self.image.refresh_size() {
+            info!("image grew to {} bytes", self.image.size());
+            let (iovecs, ranges) = state.buffers().ok_or(EngineError::SlotBusy(slot))?;
+            parsed = request::parse(
+                &self.slots,
+                slot,
+                &self.memory,
+                self.image.size(),
+                iovecs,
+                ranges,
+            );
+        }
         match parsed {
             Ok(request) => {
                 self.in_flight += 1;
-                let step = state.begin(request, &self.support);
+                let step = if self.image.is_null() {
+                    // SAFETY: `parse` just filled the slot's iovecs with ranges inside the
+                    // current memory table's mappings, which stay mapped until the next
+                    // SetMemoryTable; that is only handled between batches, and this request
+                    // is over before `run_null` returns.
+                    unsafe { state.run_null(request) }
+                } else {
+                    state.begin(request, &self.support)
+                };
                 self.apply(slot, step)
             }
             Err(e) if e.is_fatal() => Err(EngineError::Slot(e)),
@@ -465,7 +491,6 @@ impl Core {
 
     /// Builds the SQE for a queued operation.
     fn sqe(&mut self, token: Token) -> Option<squeue::Entry> {
-        let buffered = types::Fd(self.image.buffered().as_raw_fd());
         let entry = match token {
             Token::SubmitRead => opcode::Read::new(
                 types::Fd(self.submit_eventfd.as_raw_fd()),
@@ -480,6 +505,12 @@ impl Core {
                 opcode::PollAdd::new(types::Fd(self.control_fd), poll_in()).build()
             }
             Token::Slot { slot, stage } => {
+                let Some(buffered) = self.image.buffered() else {
+                    // `run_null` completes every request of a null image on the spot.
+                    error!("slot {slot}: {stage:?} queued for a null image");
+                    return None;
+                };
+                let buffered = types::Fd(buffered.as_raw_fd());
                 let state = self.states.get_mut(slot as usize)?;
                 if state.stage() != Some(stage) {
                     error!(

@@ -1,5 +1,6 @@
 //! The disk image: the buffered fd every request may use, the optional O_DIRECT fd for aligned
-//! transfers, and the size every request is checked against.
+//! transfers, and the size every request is checked against; or a null image, which has only a
+//! size (reads return zeros, writes are dropped: see [`crate::slot::SlotState::run_null`]).
 
 use std::fs::File;
 use std::io;
@@ -28,6 +29,9 @@ pub enum ImageError {
     /// The logical block size cannot be used to decide O_DIRECT alignment.
     #[error("logical block size {0} is not a power of two in 512..=65536")]
     BadBlockSize(u32),
+    /// A null image of zero bytes.
+    #[error("a null image must not be empty")]
+    EmptyNullImage,
     /// A system call failed.
     #[error("{op}: {source}")]
     Os {
@@ -51,13 +55,31 @@ impl ImageError {
 /// The image fds and geometry, fixed for the iothread's lifetime.
 #[derive(Debug)]
 pub struct Image {
-    buffered: File,
-    direct: Option<File>,
+    /// `None` for a null image.
+    files: Option<Files>,
     size: u64,
     block_size: u32,
 }
 
+#[derive(Debug)]
+struct Files {
+    buffered: File,
+    direct: Option<File>,
+}
+
 impl Image {
+    /// A null image of `size` bytes: no fd, nothing to validate but the size.
+    pub fn null(size: u64, logical_block_size: u32) -> Result<Self, ImageError> {
+        if size == 0 {
+            return Err(ImageError::EmptyNullImage);
+        }
+        Ok(Self {
+            files: None,
+            size,
+            block_size: logical_block_size,
+        })
+    }
+
     /// Validates the fds of a `Setup`: both must be the same regular file or block device, and
     /// with an O_DIRECT fd the logical block size must be a usable alignment.
     pub fn new(
@@ -102,26 +124,53 @@ impl Image {
             }
         }
         Ok(Self {
-            buffered,
-            direct,
+            files: Some(Files { buffered, direct }),
             size,
             block_size: logical_block_size,
         })
     }
 
-    /// The fd that works for any request.
-    pub fn buffered(&self) -> &File {
-        &self.buffered
+    /// Whether this is a null image (no fd: requests are completed without I/O).
+    pub fn is_null(&self) -> bool {
+        self.files.is_none()
+    }
+
+    /// The fd that works for any request; `None` for a null image.
+    pub fn buffered(&self) -> Option<&File> {
+        self.files.as_ref().map(|files| &files.buffered)
     }
 
     /// The O_DIRECT fd, if the frontend sent one.
     pub fn direct(&self) -> Option<&File> {
-        self.direct.as_ref()
+        self.files.as_ref().and_then(|files| files.direct.as_ref())
     }
 
-    /// Image size in bytes, as found at setup.
+    /// Image size in bytes, as found at setup or at the last [`Image::refresh_size`].
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// Measures the image again; returns whether it grew. Called only when a request reaches
+    /// past the known size, because a disk resized while running (blkplaned's ResizeDisk)
+    /// grows the file under us. A shrinking image is ignored: the frontend never shrinks one.
+    pub fn refresh_size(&mut self) -> bool {
+        let Some(files) = &self.files else {
+            return false;
+        };
+        let measured = match files.buffered.metadata() {
+            Ok(meta) if meta.file_type().is_file() => Some(meta.len()),
+            Ok(meta) if meta.file_type().is_block_device() => {
+                block_device_size(&files.buffered).ok()
+            }
+            _ => None,
+        };
+        match measured {
+            Some(size) if size > self.size => {
+                self.size = size;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The alignment a transfer needs to go through the O_DIRECT fd.
@@ -175,6 +224,20 @@ mod tests {
                 Err(ImageError::BadBlockSize(_))
             ));
         }
+    }
+
+    #[test]
+    fn null_image_has_a_size_and_no_fd() {
+        let image = Image::null(8 << 30, 512).unwrap();
+        assert!(image.is_null());
+        assert_eq!(image.size(), 8 << 30);
+        assert!(image.buffered().is_none());
+        assert!(image.direct().is_none());
+        assert!(matches!(
+            Image::null(0, 512),
+            Err(ImageError::EmptyNullImage)
+        ));
+        assert!(!Image::new(memfd(4096), None, 512).unwrap().is_null());
     }
 
     #[test]

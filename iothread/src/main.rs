@@ -2,8 +2,8 @@
 //! io_uring, straight into guest memory.
 //!
 //! The frontend spawns it with one end of a `SOCK_SEQPACKET` socket pair as `--control-fd`
-//! (default 3), sends `Setup` (ring, eventfds, image fds) and then `SetMemoryTable`. See
-//! [`engine`] for the loop itself.
+//! (default 3), sends `Setup` (ring, eventfds, image fds — or none for a null image) and then
+//! `SetMemoryTable`. See [`engine`] for the loop itself.
 //!
 //! Exit status: 0 after `Shutdown` or when the frontend closes the control socket (it exited
 //! or died); 1 on any error (bad setup, control protocol violation, broken ring); 2 for a bad
@@ -23,7 +23,7 @@ use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD,
+    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
@@ -76,6 +76,12 @@ enum SetupError {
     /// `Setup` carried flags this iothread does not know.
     #[error("unknown Setup flags {0:#x}")]
     UnknownFlags(u32),
+    /// `Setup` asked for a null image with an O_DIRECT fd, which a null image cannot have.
+    #[error("Setup flags {0:#x}: a null image has no O_DIRECT fd")]
+    ConflictingFlags(u32),
+    /// `Setup` carried an image size for a file image, whose size comes from its fd.
+    #[error("Setup gives image size {0} for a file image")]
+    UnexpectedImageSize(u64),
     /// The ring memfd is not a valid ring.
     #[error("ring: {0}")]
     Ring(#[from] RingError),
@@ -94,7 +100,10 @@ impl SetupError {
     fn errno(&self) -> i32 {
         match self {
             Self::Control(_) | Self::NotSetup(_) => libc::EPROTO,
-            Self::UnknownFlags(_) | Self::RingNotSealed => libc::EINVAL,
+            Self::UnknownFlags(_)
+            | Self::ConflictingFlags(_)
+            | Self::UnexpectedImageSize(_)
+            | Self::RingNotSealed => libc::EINVAL,
             Self::Ring(RingError::Os { source, .. }) => {
                 source.raw_os_error().unwrap_or(libc::EINVAL)
             }
@@ -209,32 +218,45 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         Err(ControlError::Closed) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let (flags, logical_block_size) = match request {
+    let (flags, logical_block_size, image_size) = match request {
         ControlRequest::Setup {
             flags,
             logical_block_size,
-        } => (flags, logical_block_size),
+            image_size,
+        } => (flags, logical_block_size, image_size),
         ControlRequest::SetMemoryTable(_) => return Err(SetupError::NotSetup("SetMemoryTable")),
         ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
     };
-    if flags & !SETUP_FLAG_DIRECT_FD != 0 {
+    if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE) != 0 {
         return Err(SetupError::UnknownFlags(flags));
     }
+    let null = flags & SETUP_FLAG_NULL_IMAGE != 0;
+    if null && flags & SETUP_FLAG_DIRECT_FD != 0 {
+        return Err(SetupError::ConflictingFlags(flags));
+    }
+    // A file's size comes from its fd; a second source could only disagree with it.
+    if !null && image_size != 0 {
+        return Err(SetupError::UnexpectedImageSize(image_size));
+    }
     let got = files.len();
+    let fd_count_error = |expected| SetupError::Control(ControlError::FdCount { got, expected });
     let mut files = files.into_iter();
-    let (Some(ring), Some(submit_eventfd), Some(complete_eventfd), Some(buffered)) =
-        (files.next(), files.next(), files.next(), files.next())
+    let (Some(ring), Some(submit_eventfd), Some(complete_eventfd)) =
+        (files.next(), files.next(), files.next())
     else {
-        return Err(SetupError::Control(ControlError::FdCount {
-            got,
-            expected: 4,
-        }));
+        return Err(fd_count_error(3));
     };
-    // recv_request checked that the fifth fd is there exactly when the flag says so.
-    let direct = files.next();
     check_ring_sealed(&ring)?;
     let ring = SharedRing::open(ring)?;
-    let image = Image::new(buffered, direct, logical_block_size)?;
+    let image = if null {
+        Image::null(image_size, logical_block_size)?
+    } else {
+        let Some(buffered) = files.next() else {
+            return Err(fd_count_error(4));
+        };
+        // recv_request checked that the fifth fd is there exactly when the flag says so.
+        Image::new(buffered, files.next(), logical_block_size)?
+    };
     Ok(Some(Engine::new(
         &ring,
         submit_eventfd,

@@ -1,11 +1,17 @@
 //! The guest memory table: the regions of the last `SetMemoryTable`, mapped into this process so
 //! that read/write iovecs can point straight into guest RAM (no bounce buffer).
 //!
-//! The iothread never dereferences guest memory itself. It only computes addresses inside a
-//! mapping and hands them to the kernel, so a guest or frontend changing that memory
-//! concurrently cannot break Rust's aliasing rules, and a file truncated after it was mapped
-//! makes the I/O fail with `EFAULT` instead of raising `SIGBUS` in this process. The size check
-//! against `fstat` at mapping time is still done, so that an honest mistake is refused up front.
+//! For a file image the iothread never dereferences guest memory itself. It only computes
+//! addresses inside a mapping and hands them to the kernel, so a guest or frontend changing that
+//! memory concurrently cannot break Rust's aliasing rules, and a file truncated after it was
+//! mapped makes the I/O fail with `EFAULT` instead of raising `SIGBUS` in this process. The size
+//! check against `fstat` at mapping time is still done, so that an honest mistake is refused up
+//! front.
+//!
+//! A null image is the exception: its reads are zero-filled by this process, through raw
+//! pointers (never references), so concurrent guest accesses still alias nothing. A region
+//! whose file the VMM shrinks after it was mapped then raises `SIGBUS` here, and the frontend
+//! replaces the iothread; only the VMM can do that, and it only hurts its own guest.
 
 use std::fs::File;
 use std::io;

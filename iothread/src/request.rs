@@ -131,6 +131,14 @@ impl RequestError {
     pub fn is_fatal(&self) -> bool {
         matches!(self, Self::Slot(_))
     }
+
+    /// Whether the request reaches past the image as last measured (it may have grown).
+    pub fn is_outside_image(&self) -> bool {
+        matches!(
+            self,
+            Self::OutsideImage { .. } | Self::RangeOutsideImage { .. }
+        )
+    }
 }
 
 /// Reads and validates `slot`, filling `iovecs` (data requests) or `ranges` (discard and write

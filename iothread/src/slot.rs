@@ -3,7 +3,8 @@
 //! O_DIRECT fallback, fdatasync after a writethrough write, the fallocate fallbacks).
 //!
 //! It performs no system call itself, so every transition is unit-tested without io_uring; the
-//! engine turns [`Step::Issue`] into an SQE and feeds the CQE result back.
+//! engine turns [`Step::Issue`] into an SQE and feeds the CQE result back. A null image's
+//! requests never issue anything: [`SlotState::run_null`] completes them on the spot.
 //!
 //! A slot has at most one operation queued or in flight at any time (multi-range requests run
 //! their ranges one after the other), which bounds the io_uring completion queue by the slot
@@ -242,6 +243,35 @@ impl SlotState {
             }
         };
         self.record(step)
+    }
+
+    /// Executes `request` on a null image, at once and without I/O: a read zero-fills its
+    /// buffers (as QEMU's null-co with read-zeroes=on does), a write is dropped, and flush,
+    /// discard and write-zeroes have nothing to do — nor does a writethrough write's sync.
+    /// The slot is idle again when this returns.
+    ///
+    /// # Safety
+    /// For a read, the first `iovecs` entries of [`SlotState::buffers`] must describe memory
+    /// that is mapped writable for the whole call, as [`crate::request::parse`] leaves them
+    /// for the current memory table.
+    pub unsafe fn run_null(&mut self, request: Request) -> Step {
+        self.opcode = match request {
+            Request::Read { iovecs, .. } => {
+                for iov in self.iovecs.get(..iovecs).unwrap_or_default() {
+                    // SAFETY: the caller guarantees the buffer is mapped writable. Guest memory
+                    // is shared with the guest, which may touch it concurrently, as it may
+                    // while a device DMAs into it; no Rust reference to it exists, so this
+                    // raw write aliases nothing.
+                    unsafe { std::ptr::write_bytes(iov.iov_base.cast::<u8>(), 0, iov.iov_len) };
+                }
+                Opcode::Read
+            }
+            Request::Write { .. } => Opcode::Write,
+            Request::Flush => Opcode::Flush,
+            Request::Discard { .. } => Opcode::Discard,
+            Request::WriteZeroes { .. } => Opcode::WriteZeroes,
+        };
+        self.record(Step::Complete(VIRTIO_BLK_S_OK))
     }
 
     fn begin_transfer(
@@ -759,6 +789,46 @@ mod tests {
             slot.current_range().unwrap().mode,
             RangeMode::ZeroRange.flags()
         );
+    }
+
+    #[test]
+    fn null_reads_zero_fill_and_everything_else_just_completes() {
+        let mut memory = vec![0xaau8; 8192];
+        let base = memory.as_mut_ptr() as usize;
+        let mut slot = slot_with(&[iov(base + 100, 1000), iov(base + 4096, 512)]);
+        let write = Request::Write {
+            image_offset: 0,
+            len: 1512,
+            iovecs: 2,
+            sync: true,
+        };
+        // SAFETY: the iovecs point into `memory`, which outlives the calls and is not borrowed
+        // meanwhile.
+        unsafe {
+            assert_eq!(slot.run_null(write), Step::Complete(OK));
+            assert_eq!(slot.opcode(), Opcode::Write);
+            assert!(
+                memory.iter().all(|&b| b == 0xaa),
+                "a write leaves the buffers"
+            );
+            for other in [
+                Request::Flush,
+                Request::Discard { ranges: 1 },
+                Request::WriteZeroes { ranges: 2 },
+            ] {
+                assert_eq!(slot.run_null(other), Step::Complete(OK));
+                assert_eq!(slot.stage(), None);
+            }
+            assert_eq!(slot.run_null(read(1512, 2)), Step::Complete(OK));
+        }
+        assert_eq!(slot.opcode(), Opcode::Read);
+        assert_eq!(slot.stage(), None, "idle again: nothing is in flight");
+        assert!(slot.buffers().is_some());
+        assert!(memory[..100].iter().all(|&b| b == 0xaa));
+        assert!(memory[100..1100].iter().all(|&b| b == 0));
+        assert!(memory[1100..4096].iter().all(|&b| b == 0xaa));
+        assert!(memory[4096..4608].iter().all(|&b| b == 0));
+        assert!(memory[4608..].iter().all(|&b| b == 0xaa));
     }
 
     #[test]

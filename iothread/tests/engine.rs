@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use blkplane_proto::control::{
     self, ControlError, ControlReply, ControlRequest, MemoryRegionSpec, SETUP_FLAG_DIRECT_FD,
+    SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{
     Completion, Consumer, Opcode, Producer, Segment, SharedRing, SlotHeader, SlotTable,
@@ -130,6 +131,8 @@ struct Options {
     /// Open the O_DIRECT fd read-only, so that writes through it fail visibly.
     direct_read_only: bool,
     nonblocking_submit_eventfd: bool,
+    /// Set up a null image of this size instead of the image file (which is then untouched).
+    null_image: Option<u64>,
 }
 
 impl Default for Options {
@@ -141,6 +144,7 @@ impl Default for Options {
             direct_block_size: None,
             direct_read_only: false,
             nonblocking_submit_eventfd: true,
+            null_image: None,
         }
     }
 }
@@ -228,20 +232,24 @@ impl Frontend {
         let frontend = Self::spawn(ring, submit_eventfd, complete_eventfd, image);
         let (flags, logical_block_size) = match &direct {
             Some((_, block_size)) => (SETUP_FLAG_DIRECT_FD, *block_size),
+            None if options.null_image.is_some() => (SETUP_FLAG_NULL_IMAGE, 512),
             None => (0, 512),
         };
         let mut fds = vec![
             frontend.ring.file().as_raw_fd(),
             frontend.submit_eventfd.as_raw_fd(),
             frontend.complete_eventfd.as_raw_fd(),
-            frontend.image.file.as_raw_fd(),
         ];
+        if options.null_image.is_none() {
+            fds.push(frontend.image.file.as_raw_fd());
+        }
         if let Some((file, _)) = &direct {
             fds.push(file.as_raw_fd());
         }
         let setup = ControlRequest::Setup {
             flags,
             logical_block_size,
+            image_size: options.null_image.unwrap_or(0),
         };
         frontend.request(&setup, &fds)?;
         Ok(frontend)
@@ -969,6 +977,7 @@ fn a_bad_setup_is_refused() {
         let setup = ControlRequest::Setup {
             flags: 0,
             logical_block_size: 512,
+            image_size: 0,
         };
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
@@ -992,6 +1001,7 @@ fn unknown_setup_flags_are_refused() {
     let setup = ControlRequest::Setup {
         flags: 0x100,
         logical_block_size: 512,
+        image_size: 0,
     };
     match fe.request(&setup, &fds) {
         Err(ControlError::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
@@ -1008,4 +1018,138 @@ fn exits_when_the_frontend_goes_away_before_setup() {
     let (dead, _) = UnixStream::pair().unwrap();
     drop(std::mem::replace(&mut fe.control, dead));
     assert_eq!(fe.wait_exit().code(), Some(0));
+}
+
+/// `--image null:SIZE`: requests still go through the ring and the iothread, which zero-fills
+/// read buffers in guest memory, drops writes and completes everything else at once.
+#[test]
+fn null_image_reads_zeros_and_drops_writes() {
+    const NULL_SIZE: u64 = 1 << 40;
+    let mut fe = Frontend::start(Options {
+        null_image: Some(NULL_SIZE),
+        ..Options::default()
+    });
+    let bytes = pattern(40, 8192);
+    fe.write_guest(0, 0, &bytes);
+    fe.write_guest(1, 4096, &bytes);
+    let (slot, mut sync_write, segments) = rw(1, Opcode::Write, 8192, &[data(0, 0, 8192)]);
+    sync_write.flags = SLOT_FLAG_SYNC;
+    let requests = vec![
+        rw(0, Opcode::Write, 0, &[data(0, 0, 8192)]),
+        (slot, sync_write, segments),
+        rw(2, Opcode::Flush, 0, &[]),
+        (
+            3,
+            header(Opcode::Discard, 0, 0, 1),
+            vec![range(0, 1 << 20, 0)],
+        ),
+        (
+            4,
+            header(Opcode::WriteZeroes, 0, 0, 2),
+            vec![
+                range(NULL_SIZE - 4096, 4096, RANGE_FLAG_UNMAP),
+                range(0, 512, 0),
+            ],
+        ),
+    ];
+    assert_eq!(
+        fe.run(&requests),
+        (0..5).map(|s| (s, OK)).collect::<Vec<_>>()
+    );
+    // Writes were dropped: the guest buffers are untouched and no image file was written.
+    assert_eq!(fe.read_guest(0, 0, 8192), bytes);
+    assert_eq!(fe.image.read(0, 8192), vec![0; 8192]);
+
+    // Reads zero-fill exactly their buffers, across both regions, at the end of the image too.
+    let read = rw(
+        5,
+        Opcode::Read,
+        NULL_SIZE - 5000,
+        &[data(0, 100, 1000), data(1, 4096 + 10, 4000)],
+    );
+    assert_eq!(fe.run_one(read), OK);
+    let mut region0 = bytes.clone();
+    region0[100..1100].fill(0);
+    assert_eq!(fe.read_guest(0, 0, 8192), region0);
+    let mut region1 = bytes.clone();
+    region1[10..4010].fill(0);
+    assert_eq!(fe.read_guest(1, 4096, 8192), region1);
+
+    // The size bounds requests like a file's does, and bad slots are refused as usual.
+    assert_eq!(
+        fe.run_one(rw(6, Opcode::Read, NULL_SIZE - 512, &[data(0, 0, 1024)])),
+        IOERR
+    );
+    assert_eq!(
+        fe.run_one(rw(7, Opcode::Read, 0, &[data(5, 0, 512)])),
+        IOERR
+    );
+    assert_eq!(
+        fe.read_guest(0, 0, 8192),
+        region0,
+        "refused reads fill nothing"
+    );
+
+    // A batch of every slot completes too.
+    let reads: Vec<Req> = (0..16u32)
+        .map(|slot| {
+            rw(
+                slot,
+                Opcode::Read,
+                4096 * u64::from(slot),
+                &[data(1, 4096 * u64::from(slot), 4096)],
+            )
+        })
+        .collect();
+    fe.write_guest(1, 0, &vec![0xee; 16 * 4096]);
+    assert_eq!(fe.run(&reads), (0..16).map(|s| (s, OK)).collect::<Vec<_>>());
+    assert_eq!(fe.read_guest(1, 0, 16 * 4096), vec![0; 16 * 4096]);
+    assert!(fe.shutdown().success());
+}
+
+/// What a null image's `Setup` must not carry: an O_DIRECT flag or a zero size; and a file
+/// image must not carry a size. (A wrong fd count is refused by the proto's own checks.)
+#[test]
+fn bad_null_image_setups_are_refused() {
+    let ring_fds = |fe: &Frontend| {
+        vec![
+            fe.ring.file().as_raw_fd(),
+            fe.submit_eventfd.as_raw_fd(),
+            fe.complete_eventfd.as_raw_fd(),
+        ]
+    };
+    let spawn = || {
+        let ring = SharedRing::create(4, 4).unwrap();
+        let image = TempImage::new(&std::env::temp_dir());
+        Frontend::spawn(ring, eventfd(true), eventfd(true), image)
+    };
+    let cases: [(u32, u64, bool); 3] = [
+        // (flags, image_size, send the image fd)
+        (SETUP_FLAG_NULL_IMAGE, 0, false),
+        (SETUP_FLAG_NULL_IMAGE | SETUP_FLAG_DIRECT_FD, 1 << 20, false),
+        (0, 1 << 20, true),
+    ];
+    for (flags, image_size, with_image_fd) in cases {
+        let mut fe = spawn();
+        let mut fds = ring_fds(&fe);
+        if with_image_fd {
+            fds.push(fe.image.file.as_raw_fd());
+        }
+        let setup = ControlRequest::Setup {
+            flags,
+            logical_block_size: 512,
+            image_size,
+        };
+        match fe.request(&setup, &fds) {
+            Err(ControlError::Refused(e)) => {
+                assert_eq!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL),
+                    "{flags:#x} {image_size}"
+                )
+            }
+            other => panic!("{flags:#x} {image_size} {with_image_fd}: {other:?}"),
+        }
+        assert_eq!(fe.wait_exit().code(), Some(1));
+    }
 }

@@ -5,10 +5,23 @@
 //!
 //! | message | bytes | fds |
 //! |---|---|---|
-//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32 | ring memfd, submit eventfd, complete eventfd, image fd, [O_DIRECT image fd] |
+//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd] |
 //! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64) | one per region, in index order |
 //! | `Shutdown` | tag 3: u32 | — |
 //! | reply | tag 0x80: u32, errno: i32 (0 = success) | — |
+//!
+//! `Setup` byte by byte (20 bytes):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | tag = 1 |
+//! | 4 | 4 | flags: [`SETUP_FLAG_DIRECT_FD`], [`SETUP_FLAG_NULL_IMAGE`]; other bits are refused |
+//! | 8 | 4 | logical_block_size: the alignment O_DIRECT transfers need |
+//! | 12 | 8 | image_size: the null image's size in bytes; 0 for a file image, whose size the iothread reads from the fd itself |
+//!
+//! With [`SETUP_FLAG_NULL_IMAGE`] no image fd travels (three fds in all) and
+//! [`SETUP_FLAG_DIRECT_FD`] must be clear: the iothread completes reads by zero-filling the
+//! guest buffers and every other request at once, without any I/O.
 //!
 //! The frontend only sends `SetMemoryTable` while no request of that iothread is in flight, so
 //! the iothread can swap its mappings without any lock on the I/O path.
@@ -34,6 +47,9 @@ const TAG_REPLY: u32 = 0x80;
 
 /// `Setup` flag: a fifth fd, the image opened with O_DIRECT, follows.
 pub const SETUP_FLAG_DIRECT_FD: u32 = 1;
+/// `Setup` flag: serve a null image of `image_size` bytes (reads return zeros, writes are
+/// dropped); no image fd follows.
+pub const SETUP_FLAG_NULL_IMAGE: u32 = 2;
 
 /// Errors of the control channel.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +97,8 @@ pub enum ControlRequest {
         flags: u32,
         /// The image's logical block size; O_DIRECT is used only for buffers aligned to it.
         logical_block_size: u32,
+        /// With [`SETUP_FLAG_NULL_IMAGE`], the null image's size in bytes; otherwise 0.
+        image_size: u64,
     },
     /// Replaces the whole memory table.
     SetMemoryTable(Vec<MemoryRegionSpec>),
@@ -92,6 +110,8 @@ impl ControlRequest {
     /// How many fds must travel with this request.
     pub fn expected_fds(&self) -> usize {
         match self {
+            // A null image has no fds; the iothread refuses DIRECT_FD along with it.
+            Self::Setup { flags, .. } if flags & SETUP_FLAG_NULL_IMAGE != 0 => 3,
             Self::Setup { flags, .. } => 4 + usize::from(flags & SETUP_FLAG_DIRECT_FD != 0),
             Self::SetMemoryTable(regions) => regions.len(),
             Self::Shutdown => 0,
@@ -105,10 +125,12 @@ impl ControlRequest {
             Self::Setup {
                 flags,
                 logical_block_size,
+                image_size,
             } => {
                 out.extend_from_slice(&TAG_SETUP.to_le_bytes());
                 out.extend_from_slice(&flags.to_le_bytes());
                 out.extend_from_slice(&logical_block_size.to_le_bytes());
+                out.extend_from_slice(&image_size.to_le_bytes());
             }
             Self::SetMemoryTable(regions) => {
                 out.extend_from_slice(&TAG_SET_MEMORY_TABLE.to_le_bytes());
@@ -130,6 +152,7 @@ impl ControlRequest {
             TAG_SETUP => Self::Setup {
                 flags: reader.u32()?,
                 logical_block_size: reader.u32()?,
+                image_size: reader.u64()?,
             },
             TAG_SET_MEMORY_TABLE => {
                 let count = reader.u32()? as usize;
@@ -306,6 +329,12 @@ mod tests {
             ControlRequest::Setup {
                 flags: SETUP_FLAG_DIRECT_FD,
                 logical_block_size: 512,
+                image_size: 0,
+            },
+            ControlRequest::Setup {
+                flags: SETUP_FLAG_NULL_IMAGE,
+                logical_block_size: 4096,
+                image_size: 8 << 30,
             },
             ControlRequest::SetMemoryTable(vec![
                 MemoryRegionSpec {
@@ -381,5 +410,38 @@ mod tests {
                 expected: 0
             })
         ));
+    }
+
+    #[test]
+    fn setup_is_encoded_byte_by_byte_as_documented() {
+        let setup = ControlRequest::Setup {
+            flags: SETUP_FLAG_NULL_IMAGE,
+            logical_block_size: 512,
+            image_size: 0x0102_0304_0506_0708,
+        };
+        let bytes = setup.encode();
+        assert_eq!(bytes.len(), 20);
+        assert_eq!(bytes[0..4], 1u32.to_le_bytes());
+        assert_eq!(bytes[4..8], SETUP_FLAG_NULL_IMAGE.to_le_bytes());
+        assert_eq!(bytes[8..12], 512u32.to_le_bytes());
+        assert_eq!(bytes[12..20], 0x0102_0304_0506_0708u64.to_le_bytes());
+        // The 12-byte Setup of the file-only protocol is now too short.
+        assert!(ControlRequest::decode(&bytes[..12]).is_err());
+    }
+
+    #[test]
+    fn setup_fd_counts() {
+        let setup = |flags| ControlRequest::Setup {
+            flags,
+            logical_block_size: 512,
+            image_size: 0,
+        };
+        assert_eq!(setup(0).expected_fds(), 4);
+        assert_eq!(setup(SETUP_FLAG_DIRECT_FD).expected_fds(), 5);
+        assert_eq!(setup(SETUP_FLAG_NULL_IMAGE).expected_fds(), 3);
+        assert_eq!(
+            setup(SETUP_FLAG_NULL_IMAGE | SETUP_FLAG_DIRECT_FD).expected_fds(),
+            3
+        );
     }
 }

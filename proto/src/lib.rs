@@ -3,8 +3,16 @@
 //! - [`ring`]: the shared-memory batch ring a frontend and one iothread exchange requests on.
 //! - [`control`]: the control messages (setup, memory table, shutdown) on the socket between
 //!   them.
-//!
-//! The gRPC API of `blkplaned` will live under `proto/blkplane/v1/` beside this crate.
+//! - [`v1`]: the protobuf messages of `blkplane/v1/frontend.proto`, the admin channel between
+//!   `blkplaned` and a frontend (status, statistics, resize). The gRPC API of `blkplaned`
+//!   (`blkplane/v1/control.proto`) is generated in the `blkplane-control` crate and reuses
+//!   these messages.
 
 pub mod control;
 pub mod ring;
+
+/// Protobuf messages of package `blkplane.v1` generated from `blkplane/v1/frontend.proto`.
+#[allow(missing_docs, clippy::all)]
+pub mod v1 {
+    include!(concat!(env!("OUT_DIR"), "/blkplane.v1.rs"));
+}

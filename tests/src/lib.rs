@@ -38,12 +38,17 @@ pub struct Binaries {
     pub frontend: PathBuf,
     /// `blkplane-iothread` (the frontend finds it next to itself; kept here for diagnostics).
     pub iothread: PathBuf,
+    /// `blkplaned`, the control plane (finds the frontend next to itself).
+    pub blkplaned: PathBuf,
+    /// `blkplanectl`, its command-line client.
+    pub blkplanectl: PathBuf,
 }
 
 /// Returns the binaries under test, building them on first use.
 ///
 /// `BLKPLANE_BIN_DIR` overrides the build (for CI jobs that build separately). Otherwise this runs
-/// `$CARGO build -p blkplane-frontend -p blkplane-iothread` with the profile (and target triple,
+/// `$CARGO build -p blkplane-frontend -p blkplane-iothread -p blkplane-control` (the control
+/// package holds `blkplaned` and `blkplanectl`) with the profile (and target triple,
 /// if any) of the running test binary, into the same target directory, so the binaries match the
 /// tested tree even when only this package was rebuilt.
 pub fn binaries() -> &'static Binaries {
@@ -56,15 +61,22 @@ pub fn binaries() -> &'static Binaries {
         let bins = Binaries {
             frontend: dir.join("blkplane-frontend"),
             iothread: dir.join("blkplane-iothread"),
+            blkplaned: dir.join("blkplaned"),
+            blkplanectl: dir.join("blkplanectl"),
         };
-        for bin in [&bins.frontend, &bins.iothread] {
+        for bin in [
+            &bins.frontend,
+            &bins.iothread,
+            &bins.blkplaned,
+            &bins.blkplanectl,
+        ] {
             assert!(bin.is_file(), "{} does not exist", bin.display());
         }
         bins
     })
 }
 
-/// Builds both binaries and returns the directory they are in.
+/// Builds the binaries and returns the directory they are in.
 fn build_binaries() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     // The test binary is target/[<triple>/]<profile>/deps/<name>-<hash>.
@@ -99,6 +111,7 @@ fn build_binaries() -> PathBuf {
         .arg("--manifest-path")
         .arg(workspace.join("Cargo.toml"))
         .args(["-p", "blkplane-frontend", "-p", "blkplane-iothread"])
+        .args(["-p", "blkplane-control"])
         .args(["--profile", profile])
         .env("CARGO_TARGET_DIR", &target_dir);
     if let Some(triple) = &triple {
@@ -113,7 +126,8 @@ fn build_binaries() -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!(
-        "built blkplane-frontend and blkplane-iothread ({profile}) in {:.1?}",
+        "built blkplane-frontend, blkplane-iothread, blkplaned and blkplanectl ({profile}) in \
+         {:.1?}",
         started.elapsed()
     );
     profile_dir

@@ -446,6 +446,8 @@ pub struct RawDevice {
     pub features: u64,
     /// Protocol features acknowledged.
     pub protocol_features: VhostUserProtocolFeatures,
+    /// Our end of the back-end request channel, when it was asked for.
+    pub backend_channel: Option<std::os::unix::net::UnixStream>,
     queues: Vec<SplitQueue>,
     scratch: u64,
     static_next: u64,
@@ -458,6 +460,18 @@ impl RawDevice {
         socket: &Path,
         num_queues: usize,
         queue_size: u16,
+    ) -> Result<RawDevice, vhost::Error> {
+        Self::connect_with(socket, num_queues, queue_size, false)
+    }
+
+    /// Like [`RawDevice::connect`]; with `backend_channel` it also negotiates BACKEND_REQ and
+    /// hands the device a back-end request channel (as QEMU does), kept in
+    /// [`RawDevice::backend_channel`].
+    pub fn connect_with(
+        socket: &Path,
+        num_queues: usize,
+        queue_size: u16,
+        backend_channel: bool,
     ) -> Result<RawDevice, vhost::Error> {
         let mut fe = VhostFrontend::connect(socket, num_queues as u64)?;
         fe.set_owner()?;
@@ -472,7 +486,12 @@ impl RawDevice {
                     | VhostUserProtocolFeatures::CONFIG
                     | VhostUserProtocolFeatures::MQ
                     | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-                    | VhostUserProtocolFeatures::RESET_DEVICE);
+                    | VhostUserProtocolFeatures::RESET_DEVICE
+                    | if backend_channel {
+                        VhostUserProtocolFeatures::BACKEND_REQ
+                    } else {
+                        VhostUserProtocolFeatures::empty()
+                    });
             fe.set_protocol_features(pf)?;
             pf
         } else {
@@ -482,6 +501,14 @@ impl RawDevice {
             // Every message then gets an ack, so a refused setup step surfaces here as an error
             // instead of as a mysteriously dead queue later.
             fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+        }
+        let mut channel = None;
+        if protocol_features.contains(VhostUserProtocolFeatures::BACKEND_REQ) {
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| {
+                vhost::Error::VhostUserProtocol(vhost::vhost_user::Error::SocketError(e))
+            })?;
+            fe.set_backend_request_fd(&theirs)?;
+            channel = Some(ours);
         }
         if protocol_features.contains(VhostUserProtocolFeatures::MQ) {
             let n = fe.get_queue_num()?;
@@ -532,6 +559,7 @@ impl RawDevice {
             offered_features: offered,
             features,
             protocol_features,
+            backend_channel: channel,
             queues,
             scratch: SCRATCH_BASE,
             static_next: STATIC_BASE,

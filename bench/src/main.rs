@@ -1,0 +1,786 @@
+//! `blkplane-bench`: runs the same fio-style workloads against blkplane and
+//! qemu-storage-daemon (and against the image with plain io_uring, the ceiling), alternating
+//! them, and writes BENCHMARKS.md and docs/bench.svg.
+//!
+//! Every run starts a fresh back-end, connects libblkio's `virtio-blk-vhost-user` driver (or,
+//! for the ceiling, its `io_uring` driver on the image file), keeps the queues full for a ramp,
+//! then measures: requests completed, per-request latency (submission to completion), and the
+//! CPU time the back-end's processes and the client spent. See `--help` for the knobs; a smoke
+//! run takes seconds: `blkplane-bench --runtime 1 --ramp 0.5 --reps 1 --out-dir /tmp/b`.
+
+mod client;
+mod error;
+mod hist;
+mod procfs;
+mod report;
+mod svg;
+mod target;
+mod wakeup;
+mod workload;
+
+use std::ffi::CString;
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::Write as _;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::client::{Connection, Timing};
+use crate::error::BenchError;
+use crate::report::{Results, RunStats, NOTES_BEGIN, NOTES_END};
+use crate::target::{Backend, BackendConfig, CpuList};
+use crate::workload::{select, ImageKind, Target, Workload, WORKLOADS};
+
+/// A 1-minute load average above this before or after the run means something else was
+/// running on the machine; the report says so.
+const BUSY_LOAD: f64 = 0.5;
+
+/// Benchmark blkplane against qemu-storage-daemon and the io_uring ceiling.
+///
+/// Runs every selected workload on every selected target and image, REPS times, alternating
+/// the targets; prints the results and writes BENCHMARKS.md and docs/bench.svg under
+/// --out-dir. Needs blkplane-frontend and blkplane-iothread (release build; found next to this
+/// binary or in --bin-dir) and qemu-storage-daemon.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// Measured seconds per run.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
+    runtime: f64,
+    /// Seconds each run runs before it is measured.
+    #[arg(long, default_value_t = 2.0, value_parser = parse_seconds)]
+    ramp: f64,
+    /// Repetitions of every (workload, target, image); the report gives median and min–max.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    reps: u32,
+    /// Comma-separated workloads, or "all": randread-4k-qd1, randread-4k-qd32,
+    /// randread-4k-qd32-2q, randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
+    #[arg(long, default_value = "all")]
+    workloads: String,
+    /// Comma-separated targets, or "all": blkplane, qsd, ceiling.
+    #[arg(long, default_value = "all")]
+    targets: String,
+    /// Comma-separated images, or "all": shm (a raw file in --shm-dir), null.
+    #[arg(long, default_value = "all")]
+    images: String,
+    /// Disk size (the shm image's and the null images'), bytes or with a K/M/G suffix.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    size: u64,
+    /// Where the raw image is created (tmpfs, so that the disk is not what is measured).
+    #[arg(long, default_value = "/dev/shm")]
+    shm_dir: PathBuf,
+    /// O_DIRECT on the shm image for every target: auto (if the file system takes it), on, off
+    /// (blkplane --cache direct or writeback, qsd cache.direct, the ceiling's direct).
+    #[arg(long, value_enum, default_value_t = Direct::Auto)]
+    direct: Direct,
+    /// Directory of blkplane-frontend and blkplane-iothread (default: next to this binary).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// The qemu-storage-daemon binary.
+    #[arg(long, default_value = "qemu-storage-daemon")]
+    qsd: PathBuf,
+    /// Pin the client to these CPUs (a taskset -c list, e.g. 0); default: not pinned.
+    #[arg(long, value_parser = CpuList::parse)]
+    client_cpu: Option<CpuList>,
+    /// Pin the back-end to these CPUs (a taskset -c list, e.g. 1); default: not pinned.
+    #[arg(long, value_parser = CpuList::parse)]
+    backend_cpu: Option<CpuList>,
+    /// Where BENCHMARKS.md and docs/bench.svg are written (default: the workspace root).
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// Print the results only; write no files.
+    #[arg(long)]
+    no_report: bool,
+    /// Seed of the random offsets and data.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// Whether the shm image is opened with O_DIRECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Direct {
+    /// If the file system accepts it (tmpfs does since Linux 6.6).
+    Auto,
+    /// Always (fails where the file system refuses).
+    On,
+    /// Never: buffered I/O.
+    Off,
+}
+
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && (0.0..=3600.0).contains(&s) => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds in 0..=3600")),
+    }
+}
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    let (digits, shift) = match text.as_bytes().last() {
+        Some(b'k' | b'K') => (&text[..text.len() - 1], 10),
+        Some(b'm' | b'M') => (&text[..text.len() - 1], 20),
+        Some(b'g' | b'G') => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|&n| n >= 1 << 20 && n % 4096 == 0)
+        .ok_or_else(|| format!("{text:?}: a size of at least 1M, a multiple of 4K"))
+}
+
+/// The workspace this binary was built from: where BENCHMARKS.md lives.
+fn workspace_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The image path, for the signal handler to remove it.
+static IMAGE_TO_REMOVE: OnceLock<CString> = OnceLock::new();
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    if let Some(path) = IMAGE_TO_REMOVE.get() {
+        // SAFETY: unlink and _exit are async-signal-safe; the CString lives forever.
+        unsafe { libc::unlink(path.as_ptr()) };
+    }
+    // The back-ends get SIGTERM from PR_SET_PDEATHSIG when this process dies.
+    // SAFETY: as above.
+    unsafe { libc::_exit(128 + signal) };
+}
+
+/// A raw image in tmpfs, filled with pseudo-random data (a sparse tmpfs file would be read from
+/// the shared zero page, cheaper than real data), removed on drop.
+struct ShmImage {
+    path: PathBuf,
+}
+
+impl ShmImage {
+    fn create(dir: &Path, size: u64, seed: u64) -> Result<Self, BenchError> {
+        let path = dir.join(format!("blkplane-bench-{}.img", std::process::id()));
+        let mut file = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(BenchError::io(format!("creating {}", path.display())))?;
+        let image = Self { path };
+        if let Ok(c_path) = CString::new(image.path.as_os_str().as_bytes()) {
+            let _ = IMAGE_TO_REMOVE.set(c_path);
+        }
+        let mut state = seed | 1;
+        let mut chunk = vec![0u8; 1 << 20];
+        let mut left = size;
+        while left > 0 {
+            for word in chunk.chunks_exact_mut(8) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                word.copy_from_slice(&state.to_le_bytes());
+            }
+            let n = left.min(chunk.len() as u64) as usize;
+            file.write_all(&chunk[..n])
+                .map_err(BenchError::io(format!("filling {}", image.path.display())))?;
+            left -= n as u64;
+        }
+        Ok(image)
+    }
+
+    /// Whether the file system takes O_DIRECT (tmpfs does since Linux 6.6).
+    fn supports_direct(&self) -> bool {
+        File::options()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&self.path)
+            .is_ok()
+    }
+}
+
+impl Drop for ShmImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A private directory for sockets and logs (short, as socket paths must be), removed on drop.
+struct WorkDir(PathBuf);
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The first line a command prints, or why it could not run.
+fn first_line(program: &Path, args: &[&str], dir: Option<&Path>) -> Result<String, String> {
+    let mut command = Command::new(program);
+    command.args(args);
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    let out = command
+        .output()
+        .map_err(|e| format!("{}: {e}", program.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {args:?}: {}",
+            program.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_owned())
+}
+
+/// The git revision of the workspace, marked when the tree differs from it.
+fn git_revision() -> String {
+    let dir = workspace_dir();
+    let git = Path::new("git");
+    let Ok(rev) = first_line(git, &["rev-parse", "--short", "HEAD"], Some(&dir)) else {
+        return "unknown (not built from a git checkout)".into();
+    };
+    let changed = Command::new(git)
+        .args(["status", "--porcelain", "--untracked-files=no"])
+        .current_dir(&dir)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().count())
+        .unwrap_or(0);
+    if changed > 0 {
+        format!("{rev} with uncommitted changes in {changed} tracked files")
+    } else {
+        rev
+    }
+}
+
+/// Facts printed in the report.
+struct Context {
+    args: Vec<String>,
+    qsd_version: String,
+    blkplane_rev: String,
+    bin_dir: PathBuf,
+    load_before: String,
+    load_after: String,
+    busy: bool,
+    client_cpu: Option<CpuList>,
+    backend_cpu: Option<CpuList>,
+    direct: bool,
+    size: u64,
+    timing: Timing,
+    reps: u32,
+    workloads: Vec<Workload>,
+    images: Vec<ImageKind>,
+    backend_lines: Vec<String>,
+    date: String,
+    hops_before: String,
+    hops_after: String,
+}
+
+/// Round trips of the wake-up measurement.
+const HOP_ROUND_TRIPS: u32 = 10_000;
+
+/// The cost of an eventfd wake-up across two CPUs and on one, for the report.
+fn hop_costs() -> String {
+    let describe = |first, second| match wakeup::measure(first, second, HOP_ROUND_TRIPS) {
+        Ok(cost) => format!(
+            "{} µs latency, {} µs CPU",
+            report::num(cost.latency_us),
+            report::num(cost.cpu_us)
+        ),
+        Err(e) => format!("not measured ({e})"),
+    };
+    let same = describe(0, 0);
+    if procfs::online_cpus() >= 2 {
+        format!("across vCPUs 0→1: {}; on one vCPU: {same}", describe(0, 1))
+    } else {
+        format!("on one vCPU: {same}")
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("blkplane-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), BenchError> {
+    let all = |list: &str| {
+        if list == "all" {
+            None
+        } else {
+            Some(list.to_owned())
+        }
+    };
+    let bad = |e: String| BenchError::Missing(e);
+    let workloads = match all(&args.workloads) {
+        Some(list) => select(&list, &WORKLOADS, |w| w.name).map_err(bad)?,
+        None => WORKLOADS.to_vec(),
+    };
+    let targets = match all(&args.targets) {
+        Some(list) => select(&list, &Target::ALL, |t| t.name()).map_err(bad)?,
+        None => Target::ALL.to_vec(),
+    };
+    let images = match all(&args.images) {
+        Some(list) => select(&list, &ImageKind::ALL, |i| i.name()).map_err(bad)?,
+        None => ImageKind::ALL.to_vec(),
+    };
+    let timing = Timing {
+        ramp: Duration::from_secs_f64(args.ramp),
+        runtime: Duration::from_secs_f64(args.runtime),
+    };
+    if timing.runtime.is_zero() {
+        return Err(BenchError::Missing("--runtime must be more than 0".into()));
+    }
+
+    let bin_dir = match &args.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()
+            .map_err(BenchError::io("finding this executable"))?
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default(),
+    };
+    if targets.contains(&Target::Blkplane) {
+        for bin in ["blkplane-frontend", "blkplane-iothread"] {
+            if !bin_dir.join(bin).is_file() {
+                return Err(BenchError::Missing(format!(
+                    "{} not found; build it with `cargo build --release -p blkplane-frontend \
+                     -p blkplane-iothread` or pass --bin-dir",
+                    bin_dir.join(bin).display()
+                )));
+            }
+        }
+    }
+    let qsd_version = if targets.contains(&Target::Qsd) {
+        first_line(&args.qsd, &["--version"], None).map_err(BenchError::Missing)?
+    } else {
+        "not run".into()
+    };
+
+    // SAFETY: installing a handler that only calls async-signal-safe functions.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    if let Some(cpus) = &args.client_cpu {
+        // Before any client thread exists: they inherit it. Back-ends get their own set.
+        cpus.pin_current_thread().map_err(BenchError::io(format!(
+            "pinning the client to {}",
+            cpus.text()
+        )))?;
+    }
+
+    let work_dir = WorkDir(std::env::temp_dir().join(format!("bpb-{}", std::process::id())));
+    std::fs::create_dir_all(&work_dir.0)
+        .map_err(BenchError::io(format!("creating {}", work_dir.0.display())))?;
+    let image = if images.contains(&ImageKind::Shm) {
+        eprintln!(
+            "creating a {} MiB image in {}",
+            args.size >> 20,
+            args.shm_dir.display()
+        );
+        Some(ShmImage::create(&args.shm_dir, args.size, args.seed)?)
+    } else {
+        None
+    };
+    let direct = match args.direct {
+        Direct::Auto => image.as_ref().is_some_and(ShmImage::supports_direct),
+        Direct::On => true,
+        Direct::Off => false,
+    };
+    let config = BackendConfig {
+        bin_dir: bin_dir.clone(),
+        qsd: args.qsd.clone(),
+        image: image
+            .as_ref()
+            .map(|i| i.path.clone())
+            .unwrap_or_else(|| args.shm_dir.join("unused.img")),
+        size: args.size,
+        direct,
+        cpus: args.backend_cpu.clone(),
+        work_dir: work_dir.0.clone(),
+    };
+
+    let load_before = procfs::loadavg();
+    let busy_before = procfs::load1() > BUSY_LOAD;
+    let hops_before = hop_costs();
+    eprintln!("wake-up hop: {hops_before}");
+    let mut results = Results::default();
+    let total = args.reps as usize
+        * images
+            .iter()
+            .map(|&i| targets.iter().filter(|&&t| i.has(t)).count())
+            .sum::<usize>()
+        * workloads.len();
+    let mut done = 0;
+    for rep in 0..args.reps as usize {
+        for &kind in &images {
+            for (index, workload) in workloads.iter().enumerate() {
+                // Alternate the order, so that no target always runs first (or right after a
+                // write workload, or with the caches of the same one).
+                let mut order: Vec<Target> =
+                    targets.iter().copied().filter(|&t| kind.has(t)).collect();
+                let len = order.len().max(1);
+                order.rotate_left((rep + index) % len);
+                for target in order {
+                    done += 1;
+                    let stats = run_one(
+                        target,
+                        kind,
+                        workload,
+                        &config,
+                        image.as_ref(),
+                        timing,
+                        args.seed.wrapping_add(rep as u64),
+                    )?;
+                    eprintln!(
+                        "[{done}/{total}] rep {} {kind} {} {target}: {} IOPS, p50 {} p99 {} \
+                         p99.9 {} µs, CPU µs/I/O back-end {} client {}, back-end wake-ups/I/O {}",
+                        rep + 1,
+                        workload.name,
+                        report::si(stats.iops),
+                        report::num(stats.p50),
+                        report::num(stats.p99),
+                        report::num(stats.p999),
+                        stats.backend_cpu.map_or("—".into(), report::num),
+                        report::num(stats.client_cpu),
+                        stats.backend_wakeups.map_or("—".into(), report::num),
+                    );
+                    results.add(kind, workload, target, stats);
+                }
+            }
+        }
+    }
+    let load_after = procfs::loadavg();
+    let hops_after = hop_costs();
+    eprintln!("wake-up hop: {hops_after}");
+    results.sort(&workloads);
+
+    let mut backend_lines = Vec::new();
+    let socket = Path::new("SOCK");
+    for &kind in &images {
+        for &target in &targets {
+            let queues = 1;
+            if let Some((program, args)) = target::command(target, kind, queues, &config, socket) {
+                backend_lines.push(format!(
+                    "# {target}, {kind} image ({queues} queue; N queues: --num-queues/\
+                     --iothreads or num-queues=N)\n{}",
+                    target::shell_line(&program, &args)
+                ));
+            }
+        }
+    }
+    if images.contains(&ImageKind::Shm) && targets.contains(&Target::Ceiling) {
+        backend_lines.push(format!(
+            "# ceiling, shm image: no back-end; libblkio driver io_uring, path={}, direct={}",
+            config.image.display(),
+            direct
+        ));
+    }
+    let context = Context {
+        args: std::env::args().collect(),
+        qsd_version,
+        blkplane_rev: git_revision(),
+        bin_dir,
+        busy: busy_before || procfs::load1() > BUSY_LOAD + 2.0,
+        load_before,
+        load_after,
+        client_cpu: args.client_cpu.clone(),
+        backend_cpu: args.backend_cpu.clone(),
+        direct,
+        size: args.size,
+        timing,
+        reps: args.reps,
+        workloads,
+        images,
+        backend_lines,
+        date: first_line(Path::new("date"), &["-u", "+%Y-%m-%d %H:%M UTC"], None)
+            .unwrap_or_default(),
+        hops_before,
+        hops_after,
+    };
+    println!("{}", report::figures_table(&results));
+    println!("{}", report::ratios_table(&results));
+    if args.no_report {
+        return Ok(());
+    }
+    let out_dir = args.out_dir.clone().unwrap_or_else(workspace_dir);
+    write_report(&out_dir, &context, &results)
+}
+
+/// One measurement: a fresh back-end, the workload, the back-end stopped again.
+fn run_one(
+    target: Target,
+    kind: ImageKind,
+    workload: &Workload,
+    config: &BackendConfig,
+    image: Option<&ShmImage>,
+    timing: Timing,
+    seed: u64,
+) -> Result<RunStats, BenchError> {
+    let mut backend = Backend::start(target, kind, workload.queues, config)?;
+    let measurement = match (&backend, image) {
+        (Some(backend), _) => {
+            let pids = || backend.pids();
+            client::run(
+                Connection::VhostUser(backend.socket()),
+                workload,
+                config.size,
+                timing,
+                seed,
+                Some(&pids),
+            )?
+        }
+        (None, Some(image)) => client::run(
+            Connection::IoUring {
+                path: &image.path,
+                direct: config.direct,
+            },
+            workload,
+            config.size,
+            timing,
+            seed,
+            None,
+        )?,
+        (None, None) => return Err(BenchError::Missing(format!("{target} needs the shm image"))),
+    };
+    if let Some(backend) = &mut backend {
+        // A back-end that died during the run would have stalled it; check anyway.
+        backend.check_alive()?;
+        backend.stop();
+    }
+    RunStats::new(&measurement).ok_or_else(|| {
+        BenchError::Missing(format!(
+            "{} on {target}: nothing completed in the window",
+            workload.name
+        ))
+    })
+}
+
+fn write_report(out_dir: &Path, context: &Context, results: &Results) -> Result<(), BenchError> {
+    let report_path = out_dir.join("BENCHMARKS.md");
+    let svg_path = out_dir.join("docs").join("bench.svg");
+    let notes = std::fs::read_to_string(&report_path)
+        .ok()
+        .and_then(|old| report::existing_notes(&old))
+        .unwrap_or_else(|| "(No notes yet.)".into());
+    let subtitle = format!(
+        "{} image{}, {} s measured after {} s ramp, median of {} run{}; {} vCPUs shared by client \
+         and back-end{}",
+        context
+            .images
+            .iter()
+            .map(|i| i.name())
+            .collect::<Vec<_>>()
+            .join(" and "),
+        if context.images.len() > 1 { "s" } else { "" },
+        context.timing.runtime.as_secs_f64(),
+        context.timing.ramp.as_secs_f64(),
+        context.reps,
+        if context.reps > 1 { "s" } else { "" },
+        procfs::online_cpus(),
+        if context.client_cpu.is_some() || context.backend_cpu.is_some() {
+            " (pinned)"
+        } else {
+            ""
+        }
+    );
+    std::fs::create_dir_all(out_dir.join("docs")).map_err(BenchError::io(format!(
+        "creating {}/docs",
+        out_dir.display()
+    )))?;
+    std::fs::write(&svg_path, svg::chart(results, &subtitle))
+        .map_err(BenchError::io(format!("writing {}", svg_path.display())))?;
+    let markdown = markdown(context, results, &notes);
+    std::fs::write(&report_path, markdown)
+        .map_err(BenchError::io(format!("writing {}", report_path.display())))?;
+    eprintln!("wrote {} and {}", report_path.display(), svg_path.display());
+    Ok(())
+}
+
+fn markdown(c: &Context, results: &Results, notes: &str) -> String {
+    let mut out = String::new();
+    let command_line = c
+        .args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            if i == 0 {
+                "target/release/blkplane-bench".to_string()
+            } else {
+                target::shell_line(Path::new(a), &[])
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let pinning = match (&c.client_cpu, &c.backend_cpu) {
+        (None, None) => {
+            "none: client and back-end threads float over all vCPUs (the default)".to_string()
+        }
+        (client, backend) => format!(
+            "client: {}; back-end: {} (sched_setaffinity, as taskset -c does)",
+            client
+                .as_ref()
+                .map_or("not pinned".into(), |c| format!("taskset -c {}", c.text())),
+            backend
+                .as_ref()
+                .map_or("not pinned".into(), |c| format!("taskset -c {}", c.text())),
+        ),
+    };
+    let _ = write!(
+        out,
+        "# Benchmarks\n\n\
+         blkplane against qemu-storage-daemon on the same images with the same libblkio client, \
+         and the io_uring ceiling (the image driven directly, no virtio). Written by \
+         `blkplane-bench` ([bench/](bench/)), which reruns it all; only the Notes section at the \
+         end is hand-written (and kept when the file is rewritten).\n\n\
+         ![IOPS and CPU per I/O per workload and target](docs/bench.svg)\n\n\
+         ## Reproduce\n\n\
+         ```sh\n\
+         cargo build --release -p blkplane-frontend -p blkplane-iothread -p blkplane-bench\n\
+         {command_line}\n\
+         ```\n\n\
+         A smoke run takes seconds: `target/release/blkplane-bench --runtime 1 --ramp 0.5 \
+         --reps 1 --workloads randread-4k-qd1 --out-dir /tmp/bench-smoke`.\n\n\
+         ## Machine and versions\n\n\
+         | | |\n|---|---|\n\
+         | date | {} |\n\
+         | CPUs | {} online, {} |\n\
+         | memory | {:.1} GiB |\n\
+         | kernel | {} |\n\
+         | qemu-storage-daemon | {} |\n\
+         | blkplane | git {} (binaries from `{}`) |\n\
+         | load average before / after | `{}` / `{}` |\n\
+         | one eventfd wake-up (thread to thread), before the runs | {} |\n\
+         | the same after the runs | {} |\n\
+         | CPU pinning | {} |\n\n",
+        c.date,
+        procfs::online_cpus(),
+        procfs::cpu_model(),
+        procfs::memory_gib(),
+        procfs::kernel(),
+        c.qsd_version,
+        c.blkplane_rev,
+        c.bin_dir.display(),
+        c.load_before,
+        c.load_after,
+        c.hops_before,
+        c.hops_after,
+        pinning,
+    );
+    let _ = writeln!(
+        out,
+        "The machine has {} vCPUs and the client shares them with the back-end: libblkio \
+         runs one client thread per queue in the same box, so every figure is \"client plus \
+         back-end on {} vCPUs\", not a back-end with cores to itself. The client's CPU is \
+         reported separately from the back-end's. Use `--client-cpu` / `--backend-cpu` to pin \
+         them apart.\n",
+        procfs::online_cpus(),
+        procfs::online_cpus()
+    );
+    if c.busy {
+        let _ = writeln!(
+            out,
+            "**Another workload may have been running**: the 1-minute load average was `{}` \
+             before and `{}` after the run (an idle machine shows about 0 before; the \
+             benchmark itself keeps about 1–2 runnable).\n",
+            c.load_before, c.load_after
+        );
+    }
+    let _ = writeln!(out, "## Method\n");
+    let _ = writeln!(
+        out,
+        "- Workloads (fio-style, one libblkio queue and client thread per queue, each keeping \
+         `iodepth` requests in flight; a completed slot is resubmitted at once):"
+    );
+    for w in &c.workloads {
+        let _ = writeln!(out, "  - `{}`: {}", w.name, w.describe());
+    }
+    let _ = writeln!(
+        out,
+        "- Images: {}.\n\
+         - Every run starts a fresh back-end with as many queues (and, for blkplane, \
+         iothreads) as the workload has; runs {:.1} s to fill the queues, then measures {:.1} \
+         s. {} repetition{} per (image, workload, target); the order of the targets rotates \
+         from one workload and repetition to the next. Tables give the median and, in \
+         parentheses, the min–max over the repetitions.\n\
+         - Latency: per request, from queueing it in libblkio to seeing its completion, in a \
+         fixed log-linear histogram (64 buckets per power of two, ±0.8 %). Requests complete \
+         in batches, and a batch is stamped once when `do_io` returns.\n\
+         - Back-end CPU: utime + stime from `/proc/<pid>/stat` of every back-end process \
+         (blkplane-frontend and all its blkplane-iothread children; qemu-storage-daemon), \
+         sampled at the start and end of the measured window, divided by the requests \
+         completed in it: µs per I/O equals CPU seconds per million I/Os. Client CPU: \
+         getrusage of the benchmark process (all its threads; for the ceiling that includes \
+         the io_uring work in the kernel). Wake-ups: voluntary context switches (a thread \
+         went to sleep and had to be woken) per I/O, of all back-end threads and of the client \
+         threads, compared thread by thread between the window's edges; threads that exit \
+         inside the window (io_uring's io-wq workers come and go) are lost, so these are lower \
+         bounds.\n\
+         - The client waits like a VMM: before each blocking `do_io` it consumes the queue's \
+         completion eventfd, which libblkio's `do_io` polls but never reads (a stale eventfd \
+         would turn every wait into a spin).\n\
+         - blkplane runs with its defaults otherwise (`--cache direct`, queue size 256); qsd \
+         10.0's vhost-user-blk export serves all its queues from the one iothread it can be \
+         given (it refuses a list), so on 2 queues blkplane has 2 iothreads and qsd 1.\n",
+        c.images
+            .iter()
+            .map(|i| match i {
+                ImageKind::Shm => format!(
+                    "`shm`: a {} MiB raw file in tmpfs filled with pseudo-random data, opened \
+                     {} by every target",
+                    c.size >> 20,
+                    if c.direct {
+                        "with O_DIRECT (tmpfs accepts it since Linux 6.6 and copies as usual)"
+                    } else {
+                        "buffered (the file system refuses O_DIRECT)"
+                    }
+                ),
+                ImageKind::Null => format!(
+                    "`null`: blkplane's `--image null:{}` against qsd's \
+                     `null-co,read-zeroes=on,size={}`: reads return zeros, writes are \
+                     dropped, so only the data path is measured (no ceiling: there is \
+                     nothing to drive directly)",
+                    c.size, c.size
+                ),
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        c.timing.ramp.as_secs_f64(),
+        c.timing.runtime.as_secs_f64(),
+        c.reps,
+        if c.reps > 1 { "s" } else { "" },
+    );
+    let _ = writeln!(
+        out,
+        "Back-end command lines (`SOCK` is a fresh socket per run):\n\n```sh\n{}\n```\n",
+        c.backend_lines.join("\n")
+    );
+    let _ = writeln!(out, "## Results\n");
+    out.push_str(&report::figures_table(results));
+    let _ = writeln!(
+        out,
+        "\n### Ratios\n\nOf the medians above: a target's figure divided by qsd's and by the \
+         ceiling's for the same image and workload (MiB/s ratios equal the IOPS ratios). \
+         Above 1× is more IOPS, but also more latency and more CPU per I/O. The ceiling \
+         comparison uses the whole path's CPU (back-end + client) against the ceiling's \
+         client, which does all of its I/O.\n"
+    );
+    out.push_str(&report::ratios_table(results));
+    let _ = writeln!(out, "\n## Notes\n\n{NOTES_BEGIN}\n{notes}\n{NOTES_END}");
+    out
+}

@@ -1,0 +1,408 @@
+//! Starting and stopping the back-ends: `blkplane-frontend` (with its iothreads) and
+//! `qemu-storage-daemon`, each listening on a vhost-user socket of its own.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::error::BenchError;
+use crate::procfs;
+use crate::workload::{ImageKind, Target};
+
+/// How long a back-end may take to listen on its socket.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a back-end may take to exit after SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A set of CPUs, from a list like `0`, `0,1` or `0-1`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuList {
+    cpus: Vec<usize>,
+    text: String,
+}
+
+impl CpuList {
+    /// Parses a CPU list as taskset -c takes it.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut cpus = Vec::new();
+        for part in text.split(',').map(str::trim) {
+            let (first, last) = match part.split_once('-') {
+                Some((a, b)) => (a, b),
+                None => (part, part),
+            };
+            let parse = |s: &str| {
+                s.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("{text:?} is not a CPU list like 0,1 or 0-1"))
+            };
+            let (first, last) = (parse(first)?, parse(last)?);
+            if first > last || last >= libc::CPU_SETSIZE as usize {
+                return Err(format!("{text:?}: bad CPU range {part}"));
+            }
+            cpus.extend(first..=last);
+        }
+        cpus.sort_unstable();
+        cpus.dedup();
+        Ok(Self {
+            cpus,
+            text: text.to_owned(),
+        })
+    }
+
+    /// Every online CPU (to undo an inherited pinning).
+    pub fn all_online() -> Self {
+        let n = procfs::online_cpus();
+        Self {
+            cpus: (0..n).collect(),
+            text: format!("0-{}", n - 1),
+        }
+    }
+
+    /// As given on the command line.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    fn set(&self) -> libc::cpu_set_t {
+        // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &cpu in &self.cpus {
+            // SAFETY: `cpu` < CPU_SETSIZE, checked in `parse`.
+            unsafe { libc::CPU_SET(cpu, &mut set) };
+        }
+        set
+    }
+
+    /// Pins the calling thread (and whatever it spawns afterwards) to these CPUs, as
+    /// `taskset -c` does for a command.
+    pub fn pin_current_thread(&self) -> io::Result<()> {
+        pin(&self.set())
+    }
+}
+
+fn pin(set: &libc::cpu_set_t) -> io::Result<()> {
+    // SAFETY: the set is a valid cpu_set_t of the size we pass; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Everything the back-ends need besides the workload.
+#[derive(Debug, Clone)]
+pub struct BackendConfig {
+    /// Where blkplane-frontend and blkplane-iothread are.
+    pub bin_dir: PathBuf,
+    /// The qemu-storage-daemon binary.
+    pub qsd: PathBuf,
+    /// The raw image in tmpfs.
+    pub image: PathBuf,
+    /// Disk size in bytes (the null images get the same).
+    pub size: u64,
+    /// Whether the image can be opened with O_DIRECT (tmpfs can since Linux 6.6).
+    pub direct: bool,
+    /// CPUs for the back-end; `None` leaves it unpinned.
+    pub cpus: Option<CpuList>,
+    /// Where the sockets and logs go.
+    pub work_dir: PathBuf,
+}
+
+/// The command line that serves `kind` with `queues` queues on `socket`; `None` for the
+/// ceiling, which has no back-end.
+pub fn command(
+    target: Target,
+    kind: ImageKind,
+    queues: usize,
+    config: &BackendConfig,
+    socket: &Path,
+) -> Option<(PathBuf, Vec<String>)> {
+    let socket = socket.display();
+    let image = config.image.display();
+    let size = config.size;
+    match target {
+        Target::Blkplane => {
+            let image = match kind {
+                ImageKind::Shm => image.to_string(),
+                ImageKind::Null => format!("null:{size}"),
+            };
+            let mut args = vec![
+                "--socket".to_string(),
+                socket.to_string(),
+                "--image".into(),
+                image,
+                "--num-queues".into(),
+                queues.to_string(),
+                "--iothreads".into(),
+                queues.to_string(),
+            ];
+            // The default, --cache direct, falls back to buffered I/O by itself where the
+            // file system refuses O_DIRECT; buffered on purpose is writeback.
+            if kind == ImageKind::Shm && !config.direct {
+                args.extend(["--cache".into(), "writeback".into()]);
+            }
+            Some((config.bin_dir.join("blkplane-frontend"), args))
+        }
+        Target::Qsd => {
+            let mut args = vec!["--object".to_string(), "iothread,id=iot0".into()];
+            match kind {
+                ImageKind::Shm => {
+                    let direct = if config.direct { "on" } else { "off" };
+                    args.extend([
+                        "--blockdev".into(),
+                        format!(
+                            "driver=file,node-name=file0,filename={image},aio=io_uring,\
+                             cache.direct={direct}"
+                        ),
+                        "--blockdev".into(),
+                        "driver=raw,node-name=disk0,file=file0".into(),
+                    ]);
+                }
+                ImageKind::Null => args.extend([
+                    "--blockdev".into(),
+                    format!("driver=null-co,node-name=disk0,read-zeroes=on,size={size}"),
+                ]),
+            }
+            // qsd 10.0's vhost-user-blk export takes one iothread for all its queues (a list of
+            // iothreads is refused: "Parameters 'iothread.*' are unexpected").
+            args.extend([
+                "--export".into(),
+                format!(
+                    "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,\
+                     addr.path={socket},writable=on,num-queues={queues},iothread=iot0"
+                ),
+            ]);
+            Some((config.qsd.clone(), args))
+        }
+        Target::Ceiling => None,
+    }
+}
+
+/// Quotes `args` for a shell, for the report.
+pub fn shell_line(program: &Path, args: &[String]) -> String {
+    std::iter::once(program.display().to_string())
+        .chain(args.iter().cloned())
+        .map(|arg| {
+            let plain = arg
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_=,./:@%+".contains(&b));
+            if plain && !arg.is_empty() {
+                arg
+            } else {
+                format!("'{}'", arg.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A running back-end; stopped (and its children with it) on drop.
+pub struct Backend {
+    target: Target,
+    child: Option<Child>,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Backend {
+    /// Starts the back-end for `target` and waits until it listens.
+    pub fn start(
+        target: Target,
+        kind: ImageKind,
+        queues: usize,
+        config: &BackendConfig,
+    ) -> Result<Option<Backend>, BenchError> {
+        let socket = config.work_dir.join(format!("{target}.sock"));
+        let Some((program, args)) = command(target, kind, queues, config, &socket) else {
+            return Ok(None);
+        };
+        let _ = std::fs::remove_file(&socket);
+        let log = config.work_dir.join(format!("{target}.log"));
+        let stderr =
+            File::create(&log).map_err(BenchError::io(format!("creating {}", log.display())))?;
+        // An explicit back-end set, or undo the client's pinning that would be inherited.
+        let cpus = config.cpus.clone().map(|c| c.set());
+        let unpin = CpuList::all_online().set();
+        let mut command = Command::new(&program);
+        command
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            // Warnings only: info lines would be noise, and a chatty back-end costs CPU.
+            .env("RUST_LOG", "warn");
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+        // system calls (prctl, sched_setaffinity) on values prepared before the fork.
+        unsafe {
+            command.pre_exec(move || {
+                // Never outlive the benchmark, even if it is killed.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                pin(cpus.as_ref().unwrap_or(&unpin))
+            });
+        }
+        let child = command.spawn().map_err(BenchError::io(format!(
+            "starting {} (build it with cargo build --release, or pass --bin-dir / --qsd)",
+            program.display()
+        )))?;
+        let mut backend = Backend {
+            target,
+            child: Some(child),
+            socket,
+            log,
+        };
+        backend.wait_listening()?;
+        Ok(Some(backend))
+    }
+
+    fn wait_listening(&mut self) -> Result<(), BenchError> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            self.check_alive()?;
+            if procfs::is_listening(&self.socket) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.failure(format!("not listening after {START_TIMEOUT:?}")));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// An error if the back-end has exited.
+    pub fn check_alive(&mut self) -> Result<(), BenchError> {
+        let status = match self.child.as_mut().map(Child::try_wait) {
+            Some(Ok(None)) => return Ok(()),
+            Some(Ok(Some(status))) => format!("exited with {status}"),
+            Some(Err(e)) => format!("cannot be waited for: {e}"),
+            None => "already stopped".into(),
+        };
+        Err(self.failure(status))
+    }
+
+    fn failure(&self, reason: String) -> BenchError {
+        BenchError::Backend {
+            name: self.target.to_string(),
+            reason,
+            log: self.log.clone(),
+            tail: log_tail(&self.log),
+        }
+    }
+
+    /// The vhost-user socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The back-end's processes: the main one and its children (blkplane's iothreads).
+    pub fn pids(&self) -> Vec<u32> {
+        let Some(child) = &self.child else {
+            return Vec::new();
+        };
+        let pid = child.id();
+        let mut pids = vec![pid];
+        pids.extend(procfs::children(pid));
+        pids
+    }
+
+    /// SIGTERM, then SIGKILL if it does not exit in time; waits until its children are gone
+    /// too, so that the next run starts on an idle machine.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let children = procfs::children(child.id());
+        // SAFETY: plain kill(2) on a child we spawned and have not reaped yet.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        // blkplane's iothreads die with their frontend (PR_SET_PDEATHSIG); wait until they have.
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while children
+            .iter()
+            .any(|&pid| procfs::cpu_seconds(pid).is_some())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The last few lines of a log, for error messages.
+fn log_tail(path: &Path) -> String {
+    let Ok(mut file) = File::open(path) else {
+        return String::new();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(4096)));
+    let mut tail = String::new();
+    let _ = file.read_to_string(&mut tail);
+    tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(CpuList::parse("1").unwrap().cpus, [1]);
+        assert_eq!(CpuList::parse("0-1").unwrap().cpus, [0, 1]);
+        assert_eq!(CpuList::parse("3,0-1,1").unwrap().cpus, [0, 1, 3]);
+        for bad in ["", "a", "1-0", "0-", "99999"] {
+            assert!(CpuList::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn command_lines() {
+        let config = BackendConfig {
+            bin_dir: "/b".into(),
+            qsd: "qemu-storage-daemon".into(),
+            image: "/dev/shm/x.img".into(),
+            size: 1 << 30,
+            direct: true,
+            cpus: None,
+            work_dir: "/w".into(),
+        };
+        let socket = Path::new("/w/s.sock");
+        let line = |target, kind| {
+            let (program, args) = command(target, kind, 2, &config, socket).unwrap();
+            shell_line(&program, &args)
+        };
+        assert_eq!(
+            line(Target::Blkplane, ImageKind::Null),
+            "/b/blkplane-frontend --socket /w/s.sock --image null:1073741824 --num-queues 2 \
+             --iothreads 2"
+        );
+        let qsd = line(Target::Qsd, ImageKind::Shm);
+        assert!(
+            qsd.contains("filename=/dev/shm/x.img,aio=io_uring,cache.direct=on"),
+            "{qsd}"
+        );
+        assert!(qsd.contains("num-queues=2,iothread=iot0"), "{qsd}");
+        let null = line(Target::Qsd, ImageKind::Null);
+        assert!(null.contains("driver=null-co,node-name=disk0,read-zeroes=on,size=1073741824"));
+        assert!(command(Target::Ceiling, ImageKind::Shm, 1, &config, socket).is_none());
+        assert_eq!(
+            shell_line(Path::new("a"), &["b c".into(), "it's".into()]),
+            "a 'b c' 'it'\\''s'"
+        );
+    }
+}

@@ -1,0 +1,211 @@
+//! The fio-style workloads, the targets they run against, and the images those targets serve.
+
+use std::fmt;
+
+/// One fio-style job: what every client thread does, and how many threads (one per queue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workload {
+    /// Name used on the command line and in the report.
+    pub name: &'static str,
+    /// Writes (true) or reads.
+    pub write: bool,
+    /// Random offsets (true) or sequential.
+    pub random: bool,
+    /// Bytes per request.
+    pub block_size: usize,
+    /// Requests in flight per queue (fio's iodepth).
+    pub depth: usize,
+    /// Queues, each driven by its own client thread and served by its own back-end queue
+    /// (fio's numjobs).
+    pub queues: usize,
+}
+
+/// Every workload, in report order.
+pub const WORKLOADS: [Workload; 6] = [
+    Workload {
+        name: "randread-4k-qd1",
+        write: false,
+        random: true,
+        block_size: 4096,
+        depth: 1,
+        queues: 1,
+    },
+    Workload {
+        name: "randread-4k-qd32",
+        write: false,
+        random: true,
+        block_size: 4096,
+        depth: 32,
+        queues: 1,
+    },
+    Workload {
+        name: "randread-4k-qd32-2q",
+        write: false,
+        random: true,
+        block_size: 4096,
+        depth: 32,
+        queues: 2,
+    },
+    Workload {
+        name: "randwrite-4k-qd32",
+        write: true,
+        random: true,
+        block_size: 4096,
+        depth: 32,
+        queues: 1,
+    },
+    Workload {
+        name: "read-128k-qd8",
+        write: false,
+        random: false,
+        block_size: 128 << 10,
+        depth: 8,
+        queues: 1,
+    },
+    Workload {
+        name: "write-128k-qd8",
+        write: true,
+        random: false,
+        block_size: 128 << 10,
+        depth: 8,
+        queues: 1,
+    },
+];
+
+impl Workload {
+    /// One line for the report: what fio would call it.
+    pub fn describe(&self) -> String {
+        let rw = match (self.random, self.write) {
+            (true, false) => "randread",
+            (true, true) => "randwrite",
+            (false, false) => "read",
+            (false, true) => "write",
+        };
+        let jobs = if self.queues > 1 {
+            format!(
+                ", {} client threads on {} queues (QD {} each)",
+                self.queues, self.queues, self.depth
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "rw={rw} bs={}k iodepth={}{jobs}",
+            self.block_size >> 10,
+            self.depth
+        )
+    }
+}
+
+/// What serves the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Target {
+    /// blkplane-frontend and its iothreads, over vhost-user.
+    Blkplane,
+    /// qemu-storage-daemon's vhost-user-blk export.
+    Qsd,
+    /// No back-end: libblkio's io_uring driver on the image itself (the ceiling).
+    Ceiling,
+}
+
+impl Target {
+    /// Every target, in report order.
+    pub const ALL: [Target; 3] = [Target::Blkplane, Target::Qsd, Target::Ceiling];
+
+    /// The name used on the command line and in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Blkplane => "blkplane",
+            Self::Qsd => "qsd",
+            Self::Ceiling => "ceiling",
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What is behind the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ImageKind {
+    /// A raw image file in tmpfs (/dev/shm by default): the data path plus a memory copy.
+    Shm,
+    /// blkplane's `null:SIZE`, qsd's `null-co,read-zeroes=on`: the data path alone.
+    Null,
+}
+
+impl ImageKind {
+    /// Every image kind, in report order.
+    pub const ALL: [ImageKind; 2] = [ImageKind::Shm, ImageKind::Null];
+
+    /// The name used on the command line and in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Shm => "shm",
+            Self::Null => "null",
+        }
+    }
+
+    /// Whether `target` can serve this kind (there is no io_uring ceiling for a null image).
+    pub fn has(self, target: Target) -> bool {
+        !(self == Self::Null && target == Target::Ceiling)
+    }
+}
+
+impl fmt::Display for ImageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Parses a comma-separated list of names into the items `all` has, in the order of `all`.
+pub fn select<T: Copy>(
+    list: &str,
+    all: &[T],
+    name: impl Fn(&T) -> &'static str,
+) -> Result<Vec<T>, String> {
+    let mut wanted: Vec<&str> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if wanted.is_empty() {
+        return Err("empty list".into());
+    }
+    let known: Vec<&str> = all.iter().map(&name).collect();
+    if let Some(bad) = wanted.iter().find(|w| !known.contains(w)) {
+        return Err(format!("unknown name {bad:?}; known: {}", known.join(", ")));
+    }
+    wanted.dedup();
+    Ok(all
+        .iter()
+        .filter(|item| wanted.contains(&name(item)))
+        .copied()
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_select_in_canonical_order() {
+        let got = select("qsd,blkplane", &Target::ALL, |t| t.name()).unwrap();
+        assert_eq!(got, [Target::Blkplane, Target::Qsd]);
+        assert!(select("qsd,nope", &Target::ALL, |t| t.name()).is_err());
+        assert!(select(",", &Target::ALL, |t| t.name()).is_err());
+        let all = select("write-128k-qd8,randread-4k-qd1", &WORKLOADS, |w| w.name).unwrap();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0].name, "randread-4k-qd1");
+    }
+
+    #[test]
+    fn null_images_have_no_ceiling() {
+        assert!(!ImageKind::Null.has(Target::Ceiling));
+        assert!(ImageKind::Shm.has(Target::Ceiling));
+        assert!(ImageKind::Null.has(Target::Qsd));
+    }
+}

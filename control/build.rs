@@ -1,0 +1,45 @@
+//! Generates the gRPC service `blkplane.v1.Control` (client and server) and its messages from
+//! `proto/blkplane/v1/control.proto` with tonic-prost-build, into `OUT_DIR/blkplane.v1.rs`,
+//! and the file descriptor set that server reflection serves.
+//!
+//! The messages of `frontend.proto` (imported by control.proto for QueueStats, QueueStatus,
+//! LatencyHistogram, ResizeDone) are generated once, in `blkplane-proto`; here each of them is
+//! mapped to `::blkplane_proto::v1::NAME` with `extern_path`, so one Rust type exists per
+//! message and the admin channel's answers can be returned over gRPC as they are.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?)
+        .parent()
+        .ok_or("control/ has no parent")?
+        .join("proto");
+    let control = root.join("blkplane/v1/control.proto");
+    let frontend = root.join("blkplane/v1/frontend.proto");
+    println!("cargo:rerun-if-changed={}", control.display());
+    println!("cargo:rerun-if-changed={}", frontend.display());
+    println!("cargo:rerun-if-env-changed=PROTOC");
+
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    let mut builder = tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .file_descriptor_set_path(out.join("blkplane_descriptor.bin"));
+    // Every top-level message of frontend.proto (nested types go with their parent). Read
+    // from the file so that a message added there is mapped without touching this script.
+    let text = std::fs::read_to_string(&frontend)?;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("message ") {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            builder = builder.extern_path(
+                format!(".blkplane.v1.{name}"),
+                format!("::blkplane_proto::v1::{name}"),
+            );
+        }
+    }
+    builder.compile_protos(&[control], &[root])?;
+    Ok(())
+}

@@ -1,0 +1,264 @@
+//! Client of a frontend's admin channel (`proto/blkplane/v1/frontend.proto`): a UNIX stream
+//! socket on which each request is a little-endian u32 byte length followed by a protobuf
+//! `FrontendRequest`, answered in order by a `FrontendResponse` framed the same way.
+//!
+//! Each call uses its own short connection and is bounded by a timeout, so that a hung
+//! frontend never hangs a gRPC call or the supervisor.
+
+use std::path::Path;
+use std::time::Duration;
+
+use blkplane_proto::v1::{
+    frontend_request, frontend_response, DiskStats, FrontendRequest, FrontendResponse,
+    FrontendStatus, ResizeDone, ResizeRequest, StatsRequest, StatusRequest,
+};
+use prost::Message;
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+/// Largest frame either side accepts.
+pub const MAX_FRAME: usize = 1 << 20;
+/// How long a status or stats call may take.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a resize may take (it grows a file and may wait for the guest notification).
+pub const RESIZE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Admin-channel failures.
+#[derive(Debug, Error)]
+pub enum AdminError {
+    /// Could not connect (the frontend is not running, or not listening yet).
+    #[error("cannot connect to the admin socket {path}: {source}")]
+    Connect {
+        /// The socket.
+        path: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The connection broke mid-call.
+    #[error("admin channel I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The frontend did not answer in time.
+    #[error("the frontend did not answer within {0:?}")]
+    Timeout(Duration),
+    /// A frame longer than [`MAX_FRAME`].
+    #[error("admin frame of {0} bytes is larger than {MAX_FRAME}")]
+    FrameTooLarge(usize),
+    /// The answer is not valid protobuf.
+    #[error("undecodable admin answer: {0}")]
+    Decode(#[from] prost::DecodeError),
+    /// The frontend refused the request; its reason.
+    #[error("{0}")]
+    Refused(String),
+    /// The answer does not match the request.
+    #[error("unexpected admin answer: {0}")]
+    Unexpected(String),
+}
+
+/// Sends one request on `socket` and returns the answer (an `error` answer becomes
+/// [`AdminError::Refused`]).
+pub async fn call(
+    socket: &Path,
+    request: frontend_request::Request,
+    timeout: Duration,
+) -> Result<frontend_response::Response, AdminError> {
+    let work = async {
+        let mut stream =
+            UnixStream::connect(socket)
+                .await
+                .map_err(|source| AdminError::Connect {
+                    path: socket.display().to_string(),
+                    source,
+                })?;
+        let body = FrontendRequest {
+            request: Some(request),
+        }
+        .encode_to_vec();
+        let mut frame = Vec::with_capacity(4 + body.len());
+        // Our own requests are tiny; the cast cannot truncate.
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body);
+        stream.write_all(&frame).await?;
+        let mut len = [0u8; 4];
+        stream.read_exact(&mut len).await?;
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_FRAME {
+            return Err(AdminError::FrameTooLarge(len));
+        }
+        let mut buf = vec![0u8; len];
+        stream.read_exact(&mut buf).await?;
+        let response = FrontendResponse::decode(buf.as_slice())?;
+        match response.response {
+            Some(frontend_response::Response::Error(e)) => Err(AdminError::Refused(e)),
+            Some(r) => Ok(r),
+            None => Err(AdminError::Unexpected("empty response".into())),
+        }
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| AdminError::Timeout(timeout))?
+}
+
+/// Asks for the device status.
+pub async fn status(socket: &Path) -> Result<FrontendStatus, AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::Status(StatusRequest {}),
+        CALL_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::Status(s) => Ok(s),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Asks for the per-queue statistics.
+pub async fn stats(socket: &Path) -> Result<DiskStats, AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::Stats(StatsRequest {}),
+        CALL_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::Stats(s) => Ok(s),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Asks the frontend to grow the disk to `new_size_bytes`.
+pub async fn resize(socket: &Path, new_size_bytes: u64) -> Result<ResizeDone, AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::Resize(ResizeRequest { new_size_bytes }),
+        RESIZE_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::Resized(r) => Ok(r),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::UnixListener;
+
+    /// A one-connection fake frontend that answers each request with `answer(request)`, or
+    /// with raw bytes when `raw` is set.
+    async fn serve_once(
+        listener: UnixListener,
+        answer: impl Fn(FrontendRequest) -> Vec<u8> + Send + 'static,
+    ) {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await.unwrap();
+        let mut buf = vec![0; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut buf).await.unwrap();
+        let req = FrontendRequest::decode(buf.as_slice()).unwrap();
+        s.write_all(&answer(req)).await.unwrap();
+    }
+
+    fn framed(r: frontend_response::Response) -> Vec<u8> {
+        let body = FrontendResponse { response: Some(r) }.encode_to_vec();
+        let mut v = (body.len() as u32).to_le_bytes().to_vec();
+        v.extend(body);
+        v
+    }
+
+    fn socket_path(tag: &str) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("bpa-{tag}-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    #[tokio::test]
+    async fn status_round_trip() {
+        let path = socket_path("status");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(serve_once(listener, |req| {
+            assert!(matches!(
+                req.request,
+                Some(frontend_request::Request::Status(_))
+            ));
+            framed(frontend_response::Response::Status(FrontendStatus {
+                vmm_connected: true,
+                capacity_bytes: 1 << 30,
+                pid: 42,
+                ..Default::default()
+            }))
+        }));
+        let s = status(&path).await.unwrap();
+        assert!(s.vmm_connected);
+        assert_eq!((s.capacity_bytes, s.pid), (1 << 30, 42));
+        server.await.unwrap();
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[tokio::test]
+    async fn refusal_and_mismatch() {
+        let path = socket_path("refuse");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(serve_once(listener, |req| {
+            let Some(frontend_request::Request::Resize(r)) = req.request else {
+                panic!("not a resize")
+            };
+            assert_eq!(r.new_size_bytes, 4096);
+            framed(frontend_response::Response::Error("shrinking".into()))
+        }));
+        match resize(&path, 4096).await {
+            Err(AdminError::Refused(m)) => assert_eq!(m, "shrinking"),
+            other => panic!("{other:?}"),
+        }
+        server.await.unwrap();
+
+        let listener = UnixListener::bind(&path).unwrap_or_else(|_| {
+            std::fs::remove_file(&path).unwrap();
+            UnixListener::bind(&path).unwrap()
+        });
+        let server = tokio::spawn(serve_once(listener, |_| {
+            framed(frontend_response::Response::Stats(DiskStats::default()))
+        }));
+        assert!(matches!(
+            status(&path).await,
+            Err(AdminError::Unexpected(_))
+        ));
+        server.await.unwrap();
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[tokio::test]
+    async fn oversized_frame_and_silence() {
+        let path = socket_path("big");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(serve_once(listener, |_| {
+            ((MAX_FRAME as u32) + 1).to_le_bytes().to_vec()
+        }));
+        assert!(matches!(
+            stats(&path).await,
+            Err(AdminError::FrameTooLarge(_))
+        ));
+        server.await.unwrap();
+        let _ = std::fs::remove_file(&path);
+
+        // Nobody listening.
+        assert!(matches!(
+            status(&path).await,
+            Err(AdminError::Connect { .. })
+        ));
+
+        // Listening but never answering: bounded by the timeout.
+        let listener = UnixListener::bind(&path).unwrap();
+        let r = call(
+            &path,
+            frontend_request::Request::Status(StatusRequest {}),
+            Duration::from_millis(100),
+        )
+        .await;
+        assert!(matches!(r, Err(AdminError::Timeout(_))));
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+    }
+}

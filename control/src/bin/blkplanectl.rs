@@ -1,0 +1,400 @@
+//! `blkplanectl`: the command-line client of blkplaned. See `blkplanectl --help`.
+//!
+//! Exit status: 0 on success, 1 when blkplaned refused the call or could not be reached (the
+//! message, with the gRPC status code, goes to stderr), 2 for a command-line error.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use blkplane_control::ctl;
+use blkplane_control::pb::control_client::ControlClient;
+use blkplane_control::pb::{
+    AddDiskRequest, CacheMode, GetDiskRequest, GetStatsRequest, ListDisksRequest,
+    RemoveDiskRequest, ResizeDiskRequest, WatchEventsRequest,
+};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+use tonic::transport::{Channel, Endpoint};
+
+/// Where blkplanectl looks for blkplaned without --socket and BLKPLANE_SOCKET: the control
+/// socket of a blkplaned started with its embedded default in the same directory.
+const DEFAULT_SOCKET: &str = "blkplane-run/control.sock";
+
+/// Command-line client of blkplaned, blkplane's control plane.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// blkplaned's control socket [env: BLKPLANE_SOCKET; default: ./blkplane-run/control.sock]
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long = "output", global = true, value_enum, default_value_t = Format::Table)]
+    output: Format,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+/// Output formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// Aligned columns for people.
+    Table,
+    /// JSON for scripts (one document per line for streams).
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Manage disks.
+    #[command(subcommand)]
+    Disk(DiskCmd),
+    /// Show I/O statistics of one disk or of all.
+    Stats {
+        /// The disk (all running disks if omitted).
+        id: Option<String>,
+        /// Refresh every --interval seconds, showing rates, until interrupted.
+        #[arg(long)]
+        watch: bool,
+        /// Seconds between refreshes with --watch.
+        #[arg(long, default_value_t = 1.0, value_parser = parse_interval)]
+        interval: f64,
+    },
+    /// Stream disk and process events until interrupted.
+    Events {
+        /// Only this disk's events.
+        id: Option<String>,
+    },
+    /// Print a shell completion script.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DiskCmd {
+    /// Add a disk: start its frontend and wait until its vhost-user socket accepts VMMs.
+    Add(AddArgs),
+    /// Remove a disk (refused while a VMM is connected, unless --force).
+    Remove {
+        /// The disk.
+        id: String,
+        /// Remove it even while a VMM is connected.
+        #[arg(long)]
+        force: bool,
+    },
+    /// List the disks.
+    List,
+    /// Show one disk.
+    Show {
+        /// The disk.
+        id: String,
+    },
+    /// Grow a disk to SIZE (bytes, or with a unit: 2G, 512MiB…); shrinking is refused.
+    Resize {
+        /// The disk.
+        id: String,
+        /// The new size.
+        #[arg(value_parser = ctl::parse_size)]
+        size: u64,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct AddArgs {
+    /// The disk's name: [A-Za-z0-9._-], at most 64 characters, not starting with '.'.
+    id: String,
+    /// The image: a regular file or a block device.
+    #[arg(long, value_name = "PATH")]
+    image: PathBuf,
+    /// Request queues (1..=256) [default: 1].
+    #[arg(long, value_name = "N")]
+    num_queues: Option<u32>,
+    /// Largest ring size, a power of two (2..=32768) [default: 256].
+    #[arg(long, value_name = "N")]
+    queue_size: Option<u32>,
+    /// Iothread processes (1..=num-queues) [default: 1].
+    #[arg(long, value_name = "N")]
+    iothreads: Option<u32>,
+    /// Logical block size: 512 or 4096 [default: 512].
+    #[arg(long, value_name = "BYTES")]
+    block_size: Option<u32>,
+    /// Offer the disk read-only.
+    #[arg(long)]
+    read_only: bool,
+    /// Serial number for the guest (at most 20 bytes).
+    #[arg(long, value_name = "S")]
+    serial: Option<String>,
+    /// Host cache mode [default: direct].
+    #[arg(long, value_enum)]
+    cache: Option<CacheArg>,
+    /// Pin the iothreads to these CPUs, e.g. 0-1,3.
+    #[arg(long, value_name = "LIST")]
+    iothread_cpus: Option<String>,
+    /// The vhost-user socket [default: RUNTIME_DIR/disks/ID.sock].
+    #[arg(long, value_name = "PATH")]
+    vhost_socket: Option<PathBuf>,
+}
+
+/// Cache modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CacheArg {
+    /// O_DIRECT.
+    Direct,
+    /// Host page cache.
+    Writeback,
+    /// Every write durable before it completes.
+    Writethrough,
+}
+
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.05..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds in 0.05..=3600")),
+    }
+}
+
+/// A failed command: the message for stderr.
+#[derive(Debug)]
+struct Failure(String);
+
+impl From<tonic::Status> for Failure {
+    fn from(s: tonic::Status) -> Self {
+        Failure(format!("{}: {}", ctl::code_name(s.code()), s.message()))
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Cmd::Completions { shell } = args.command {
+        let mut cmd = Args::command();
+        clap_complete::generate(shell, &mut cmd, "blkplanectl", &mut std::io::stdout());
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("blkplanectl: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(msg)) => {
+            eprintln!("blkplanectl: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The control socket to use: --socket, BLKPLANE_SOCKET, or the embedded default's.
+fn socket_path(arg: Option<PathBuf>) -> PathBuf {
+    arg.or_else(|| std::env::var_os("BLKPLANE_SOCKET").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET))
+}
+
+async fn connect(socket: &Path) -> Result<ControlClient<Channel>, Failure> {
+    let unreachable = |e: &dyn std::fmt::Display| {
+        Failure(format!(
+            "cannot reach blkplaned at {}: {e} (is it running? --socket or BLKPLANE_SOCKET \
+             name its control socket)",
+            socket.display()
+        ))
+    };
+    if !socket.exists() {
+        return Err(unreachable(&"no such socket"));
+    }
+    let endpoint = Endpoint::from_shared(format!("unix:{}", socket.display()))
+        .map_err(|e| unreachable(&e))?
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint.connect().await.map_err(|e| unreachable(&e))?;
+    Ok(ControlClient::new(channel))
+}
+
+/// Makes a path absolute against this process's working directory: blkplaned resolves paths
+/// in its own, which is not ours.
+fn absolute(p: &Path) -> Result<String, Failure> {
+    let abs = std::path::absolute(p).map_err(|e| Failure(format!("{}: {e}", p.display())))?;
+    abs.into_os_string()
+        .into_string()
+        .map_err(|p| Failure(format!("{} is not UTF-8", PathBuf::from(p).display())))
+}
+
+fn print_json(v: &Value) {
+    // Pretty for one-shot answers; a failed write (closed pipe) is not worth an error.
+    let _ = writeln!(
+        std::io::stdout(),
+        "{}",
+        serde_json::to_string_pretty(v).unwrap_or_default()
+    );
+}
+
+fn print_json_line(v: &Value) -> bool {
+    let mut out = std::io::stdout();
+    writeln!(out, "{v}").and_then(|_| out.flush()).is_ok()
+}
+
+async fn run(args: Args) -> Result<(), Failure> {
+    let format = args.output;
+    let mut client = connect(&socket_path(args.socket)).await?;
+    match args.command {
+        Cmd::Disk(DiskCmd::Add(a)) => {
+            let req = AddDiskRequest {
+                id: a.id,
+                image: absolute(&a.image)?,
+                read_only: a.read_only,
+                serial: a.serial.unwrap_or_default(),
+                num_queues: a.num_queues.unwrap_or(0),
+                queue_size: a.queue_size.unwrap_or(0),
+                block_size: a.block_size.unwrap_or(0),
+                iothreads: a.iothreads.unwrap_or(0),
+                cache: match a.cache {
+                    None => CacheMode::Unspecified,
+                    Some(CacheArg::Direct) => CacheMode::Direct,
+                    Some(CacheArg::Writeback) => CacheMode::Writeback,
+                    Some(CacheArg::Writethrough) => CacheMode::Writethrough,
+                } as i32,
+                iothread_cpus: a.iothread_cpus.unwrap_or_default(),
+                vhost_socket: match a.vhost_socket {
+                    Some(p) => absolute(&p)?,
+                    None => String::new(),
+                },
+            };
+            let disk = client.add_disk(req).await?.into_inner();
+            match format {
+                Format::Json => print_json(&ctl::disk_json(&disk)),
+                Format::Table => print!("{}", ctl::disk_detail(&disk)),
+            }
+        }
+        Cmd::Disk(DiskCmd::Remove { id, force }) => {
+            client
+                .remove_disk(RemoveDiskRequest {
+                    id: id.clone(),
+                    force,
+                })
+                .await?;
+            match format {
+                Format::Json => print_json(&json!({ "removed": id })),
+                Format::Table => println!("removed {id}"),
+            }
+        }
+        Cmd::Disk(DiskCmd::List) => {
+            let disks = client
+                .list_disks(ListDisksRequest {})
+                .await?
+                .into_inner()
+                .disks;
+            match format {
+                Format::Json => {
+                    print_json(&Value::Array(disks.iter().map(ctl::disk_json).collect()))
+                }
+                Format::Table => print!("{}", ctl::disks_table(&disks)),
+            }
+        }
+        Cmd::Disk(DiskCmd::Show { id }) => {
+            let disk = client.get_disk(GetDiskRequest { id }).await?.into_inner();
+            match format {
+                Format::Json => print_json(&ctl::disk_json(&disk)),
+                Format::Table => print!("{}", ctl::disk_detail(&disk)),
+            }
+        }
+        Cmd::Disk(DiskCmd::Resize { id, size }) => {
+            let done = client
+                .resize_disk(ResizeDiskRequest {
+                    id: id.clone(),
+                    new_size_bytes: size,
+                })
+                .await?
+                .into_inner();
+            match format {
+                Format::Json => print_json(&ctl::resize_json(&id, &done)),
+                Format::Table => println!(
+                    "{id}: capacity {} bytes ({}); guest notified: {}",
+                    done.capacity_bytes,
+                    ctl::format_bytes(done.capacity_bytes),
+                    if done.guest_notified { "yes" } else { "no" }
+                ),
+            }
+        }
+        Cmd::Stats {
+            id,
+            watch,
+            interval,
+        } => {
+            let req = GetStatsRequest {
+                id: id.unwrap_or_default(),
+            };
+            if !watch {
+                let disks = client.get_stats(req).await?.into_inner().disks;
+                match format {
+                    Format::Json => print_json(&ctl::stats_json(&disks)),
+                    Format::Table => print!("{}", ctl::stats_table(&disks, None)),
+                }
+                return Ok(());
+            }
+            let interval = Duration::from_secs_f64(interval);
+            let mut prev: Option<(Vec<_>, Instant)> = None;
+            loop {
+                let disks = client.get_stats(req.clone()).await?.into_inner().disks;
+                let now = Instant::now();
+                let ok = match format {
+                    Format::Json => print_json_line(&json!({
+                        "unix_time_ms": blkplane_control::proc::unix_time_ms(),
+                        "disks": ctl::stats_json(&disks),
+                    })),
+                    Format::Table => {
+                        let table = ctl::stats_table(
+                            &disks,
+                            prev.as_ref()
+                                .map(|(p, t)| (p.as_slice(), now.duration_since(*t))),
+                        );
+                        let mut out = std::io::stdout();
+                        // On a terminal each sample replaces the last; in a pipe they follow.
+                        let clear = if out.is_terminal() {
+                            "\x1b[H\x1b[2J"
+                        } else {
+                            ""
+                        };
+                        writeln!(out, "{clear}{table}")
+                            .and_then(|_| out.flush())
+                            .is_ok()
+                    }
+                };
+                if !ok {
+                    return Ok(());
+                }
+                prev = Some((disks, now));
+                tokio::time::sleep(interval).await;
+            }
+        }
+        Cmd::Events { id } => {
+            let mut stream = client
+                .watch_events(WatchEventsRequest {
+                    id: id.unwrap_or_default(),
+                })
+                .await?
+                .into_inner();
+            while let Some(event) = stream.message().await? {
+                let ok = match format {
+                    Format::Json => print_json_line(&ctl::event_json(&event)),
+                    Format::Table => {
+                        let mut out = std::io::stdout();
+                        writeln!(out, "{}", ctl::event_line(&event))
+                            .and_then(|_| out.flush())
+                            .is_ok()
+                    }
+                };
+                if !ok {
+                    return Ok(());
+                }
+            }
+        }
+        Cmd::Completions { .. } => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,287 @@
+//! `blkplaned`: the per-node control plane. Serves the gRPC API of
+//! `proto/blkplane/v1/control.proto`, runs one `blkplane-frontend` per disk, supervises it and
+//! persists the set of disks. See `blkplaned --help`.
+//!
+//! Without `--state-dir` and `--runtime-dir` it runs on an embedded default: both directories
+//! under the working directory (`blkplane-state`, `blkplane-run`), and on the first run one
+//! sparse 1 GiB disk `disk0`. It prints how to attach its disks to QEMU and how to look at them.
+
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use blkplane_control::daemon::{Config, Daemon};
+use blkplane_control::pb::{AddDiskRequest, Disk};
+use blkplane_control::server::{self, Listen};
+use blkplane_control::state::StateStore;
+use blkplane_control::supervisor::RestartPolicy;
+use clap::Parser;
+use log::{error, info, warn};
+
+/// State directory of the embedded default.
+const DEFAULT_STATE_DIR: &str = "blkplane-state";
+/// Runtime directory of the embedded default.
+const DEFAULT_RUNTIME_DIR: &str = "blkplane-run";
+/// The disk created on the first run of the embedded default.
+const DEFAULT_DISK: &str = "disk0";
+/// Its size.
+const DEFAULT_DISK_SIZE: u64 = 1 << 30;
+
+/// blkplane's control plane: owns this node's vhost-user-blk disks, serves a gRPC API
+/// (blkplane.v1.Control, grpc.health.v1, reflection) and supervises one blkplane-frontend per
+/// disk. Disks keep serving while blkplaned is stopped; a restarted blkplaned adopts them.
+///
+/// Without --state-dir and --runtime-dir: ./blkplane-state and ./blkplane-run, and on the
+/// first run a sparse 1 GiB disk "disk0" (image in the state directory).
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Where the desired state (state.json) is persisted [default: ./blkplane-state].
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Where sockets, pid files and frontend logs live [default: ./blkplane-run].
+    #[arg(long)]
+    runtime_dir: Option<PathBuf>,
+    /// Where the API listens: unix:PATH (mode 0600; default RUNTIME_DIR/control.sock) or
+    /// tcp:ADDR:PORT (needs --tls-cert, --tls-key and --tls-client-ca).
+    #[arg(long, value_name = "unix:PATH|tcp:ADDR")]
+    listen: Option<String>,
+    /// PEM certificate chain of the server (TCP only).
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of the server (TCP only).
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA that client certificates must be signed by (TCP only; required).
+    #[arg(long, value_name = "FILE")]
+    tls_client_ca: Option<PathBuf>,
+    /// The blkplane-frontend binary [default: next to this executable].
+    #[arg(long, value_name = "PATH")]
+    frontend_binary: Option<PathBuf>,
+    /// Restrict vhost-user sockets to this directory (repeatable; RUNTIME_DIR/disks is always
+    /// allowed). Without it any absolute path without '..' is accepted.
+    #[arg(long = "socket-dir", value_name = "DIR")]
+    socket_dirs: Vec<PathBuf>,
+    /// Restrict images to this directory (repeatable; symlinks are resolved). Without it any
+    /// regular file or block device is accepted.
+    #[arg(long = "image-dir", value_name = "DIR")]
+    image_dirs: Vec<PathBuf>,
+    /// A disk whose frontend exits this many times within --restart-window is marked failed.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    restart_max: u32,
+    /// The window for --restart-max, in seconds.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    restart_window: u64,
+    /// Longest wait for a frontend to serve, in seconds.
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    start_timeout: u64,
+    /// How often frontends are polled for VMM connects and disconnects, in milliseconds.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..))]
+    poll_interval_ms: u64,
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Makes `p` absolute against the working directory (without resolving symlinks).
+fn absolute(p: &Path) -> Result<PathBuf, String> {
+    std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let embedded = args.state_dir.is_none() && args.runtime_dir.is_none();
+    let state_dir = absolute(
+        args.state_dir
+            .as_deref()
+            .unwrap_or(Path::new(DEFAULT_STATE_DIR)),
+    )?;
+    let runtime_dir = absolute(
+        args.runtime_dir
+            .as_deref()
+            .unwrap_or(Path::new(DEFAULT_RUNTIME_DIR)),
+    )?;
+    let frontend_binary = match args.frontend_binary {
+        Some(p) => absolute(&p)?,
+        None => std::env::current_exe()
+            .map_err(|e| format!("cannot find own executable: {e}"))?
+            .with_file_name("blkplane-frontend"),
+    };
+    if !frontend_binary.is_file() {
+        return Err(format!(
+            "{} does not exist: build it (cargo build --release builds every binary) or pass \
+             --frontend-binary",
+            frontend_binary.display()
+        ));
+    }
+    let listen = server::parse_listen(
+        args.listen.as_deref(),
+        &runtime_dir.join("control.sock"),
+        args.tls_cert,
+        args.tls_key,
+        args.tls_client_ca,
+    )
+    .map_err(|e| e.to_string())?;
+
+    // Bind the control socket before anything runs: a second blkplaned on the same runtime
+    // directory fails here without touching a disk, and no frontend is spawned while the
+    // private umask of the bind is in force.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(&runtime_dir)
+        .map_err(|e| format!("creating {}: {e}", runtime_dir.display()))?;
+    let unix_listener = match &listen {
+        Listen::Unix(path) => Some(server::bind_unix(path).map_err(|e| e.to_string())?),
+        Listen::Tcp { .. } => None,
+    };
+
+    let first_run = !StateStore::new(&state_dir).exists();
+    let daemon = Daemon::open(Config {
+        state_dir,
+        runtime_dir,
+        frontend_binary,
+        socket_dirs: args.socket_dirs,
+        image_dirs: args.image_dirs,
+        policy: RestartPolicy {
+            max_crashes: args.restart_max as usize,
+            window: Duration::from_secs(args.restart_window),
+            ..RestartPolicy::default()
+        },
+        start_timeout: Duration::from_secs(args.start_timeout),
+        poll_interval: Duration::from_millis(args.poll_interval_ms),
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+
+    if embedded && first_run {
+        let image = daemon.state_dir().join(format!("{DEFAULT_DISK}.img"));
+        create_sparse(&image, DEFAULT_DISK_SIZE)?;
+        let image = image
+            .to_str()
+            .ok_or_else(|| format!("{} is not UTF-8", image.display()))?
+            .to_string();
+        info!("first run: adding {DEFAULT_DISK} ({image})");
+        daemon
+            .add_disk(AddDiskRequest {
+                id: DEFAULT_DISK.into(),
+                image,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("adding the default disk: {e}"))?;
+    }
+
+    let api = match &listen {
+        Listen::Unix(p) => format!("unix:{}", p.display()),
+        Listen::Tcp { addr, .. } => format!("tcp:{addr}"),
+    };
+    let banner_daemon = daemon.clone();
+    let banner_listen = listen.clone();
+    tokio::spawn(async move {
+        let disks = banner_daemon.settle(Duration::from_secs(30)).await;
+        print_banner(&api, &banner_listen, &disks);
+    });
+
+    let shutdown = async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!("cannot watch SIGTERM: {e}");
+                    std::future::pending::<()>().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM"),
+            _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+        }
+        info!("stopping; the disks keep serving and the next blkplaned adopts them");
+    };
+    server::serve(daemon, listen, unix_listener, shutdown)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Creates a sparse image of `size` bytes unless the file exists.
+fn create_sparse(path: &Path, size: u64) -> Result<(), String> {
+    if path.exists() {
+        return Ok(());
+    }
+    let f = std::fs::File::create(path).map_err(|e| format!("creating {}: {e}", path.display()))?;
+    f.set_len(size)
+        .map_err(|e| format!("sizing {}: {e}", path.display()))
+}
+
+/// How to run blkplanectl from here: relative to the working directory when it is below it.
+fn ctl_command() -> String {
+    let exe = std::env::current_exe()
+        .map(|p| p.with_file_name("blkplanectl"))
+        .unwrap_or_else(|_| PathBuf::from("blkplanectl"));
+    match std::env::current_dir() {
+        Ok(cwd) => match exe.strip_prefix(&cwd) {
+            Ok(rel) => rel.display().to_string(),
+            Err(_) => exe.display().to_string(),
+        },
+        Err(_) => exe.display().to_string(),
+    }
+}
+
+/// Prints (stdout) how to attach each disk to QEMU and how to look at it with blkplanectl.
+fn print_banner(api: &str, listen: &Listen, disks: &[Disk]) {
+    let ctl = match listen {
+        Listen::Unix(p) => format!("{} --socket {}", ctl_command(), p.display()),
+        // blkplanectl speaks to a UNIX socket; over TCP use a gRPC client with certificates.
+        Listen::Tcp { .. } => ctl_command(),
+    };
+    let mut out = format!("blkplaned: serving {} disk(s); API on {api}\n", disks.len());
+    if disks.is_empty() {
+        out.push_str(&format!(
+            "\nAdd a disk with:\n  {ctl} disk add ID --image PATH\n"
+        ));
+    }
+    for d in disks {
+        let c = d.config.clone().unwrap_or_default();
+        out.push_str(&format!(
+            "\nDisk {} ({}, {} bytes) is served on {}\nAttach it to QEMU with:\n  \
+             qemu-system-x86_64 -machine q35,memory-backend=mem -m 2G \\\n    \
+             -object memory-backend-memfd,id=mem,size=2G,share=on \\\n    \
+             -chardev socket,id=blk-{id},path={sock} \\\n    \
+             -device vhost-user-blk-pci,chardev=blk-{id},num-queues={q} ...\n\
+             Show it with:\n  {ctl} disk show {id}\n",
+            c.id,
+            blkplane_control::daemon::state_name(
+                blkplane_control::pb::DiskState::try_from(d.state)
+                    .unwrap_or(blkplane_control::pb::DiskState::Unspecified)
+            ),
+            d.capacity_bytes,
+            c.vhost_socket,
+            id = c.id,
+            sock = c.vhost_socket,
+            q = c.num_queues,
+        ));
+    }
+    print!("{out}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+}

@@ -1,0 +1,609 @@
+//! What `blkplanectl` prints, and how it reads sizes: tables for people, JSON for scripts.
+//!
+//! JSON output is one document per answer (`disk list` an array, `disk show` an object), and
+//! one document per line for streams (`events`, `stats --watch`). Field names follow the
+//! .proto; enums are lower-case words (`"ready"`, `"restarted"`, `"direct"`).
+
+use std::time::Duration;
+
+use blkplane_proto::v1::{LatencyHistogram, QueueStats, QueueStatus, ResizeDone};
+use serde_json::{json, Value};
+
+use crate::daemon::state_name;
+use crate::events::kind_name;
+use crate::pb::{CacheMode, Disk, DiskState, DiskStatistics, Event, EventKind};
+
+/// The canonical upper-case name of a gRPC status code, as printed in error messages.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Parses a size: bytes, or a number with a binary unit `K`, `M`, `G`, `T`, `P` (optionally
+/// followed by `iB` or `B`; all units are powers of 1024). `1G`, `1GiB`, `512M`, `4096`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    if digits == 0 {
+        return Err(format!("{s:?} is not a size like 4096, 512M or 2GiB"));
+    }
+    let n: u64 = t[..digits]
+        .parse()
+        .map_err(|_| format!("{s:?} is too large"))?;
+    let unit = t[digits..].trim();
+    let shift = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        "P" | "PB" | "PIB" => 50,
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?} (use K, M, G, T or P)"
+            ))
+        }
+    };
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// A byte count for people: `1.0 GiB`, `512 B`.
+pub fn format_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Milliseconds since the Unix epoch as an RFC 3339 UTC time with milliseconds.
+pub fn format_time(unix_ms: u64) -> String {
+    let secs = unix_ms / 1000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        unix_ms % 1000
+    )
+}
+
+/// The lower-case name of a cache mode.
+pub fn cache_name(cache: i32) -> &'static str {
+    match CacheMode::try_from(cache) {
+        Ok(CacheMode::Unspecified | CacheMode::Direct) => "direct",
+        Ok(CacheMode::Writeback) => "writeback",
+        Ok(CacheMode::Writethrough) => "writethrough",
+        Err(_) => "unknown",
+    }
+}
+
+fn disk_state(d: &Disk) -> &'static str {
+    state_name(DiskState::try_from(d.state).unwrap_or(DiskState::Unspecified))
+}
+
+fn queue_status_json(q: &QueueStatus) -> Value {
+    json!({ "index": q.index, "running": q.running, "broken": q.broken })
+}
+
+/// A disk as JSON.
+pub fn disk_json(d: &Disk) -> Value {
+    let c = d.config.clone().unwrap_or_default();
+    json!({
+        "id": c.id,
+        "state": disk_state(d),
+        "state_reason": d.state_reason,
+        "vmm_connected": d.vmm_connected,
+        "frontend_pid": d.frontend_pid,
+        "iothread_pids": d.iothread_pids,
+        "restarts": d.restarts,
+        "iothread_restarts": d.iothread_restarts,
+        "acked_features": d.acked_features,
+        "acked_protocol_features": d.acked_protocol_features,
+        "capacity_bytes": d.capacity_bytes,
+        "log_path": d.log_path,
+        "config": {
+            "image": c.image,
+            "read_only": c.read_only,
+            "serial": c.serial,
+            "num_queues": c.num_queues,
+            "queue_size": c.queue_size,
+            "block_size": c.block_size,
+            "iothreads": c.iothreads,
+            "cache": cache_name(c.cache),
+            "iothread_cpus": c.iothread_cpus,
+            "vhost_socket": c.vhost_socket,
+        },
+        "queues": d.queues.iter().map(queue_status_json).collect::<Vec<_>>(),
+    })
+}
+
+/// Renders rows under headers with aligned columns (the last column is not padded).
+pub fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let cells: Vec<&str> = cells.collect();
+        let n = cells.len();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == n {
+                out.push_str(cell);
+            } else {
+                out.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.push('\n');
+    };
+    line(&mut headers.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+fn pid_or_dash(pid: u32) -> String {
+    if pid == 0 {
+        "-".into()
+    } else {
+        pid.to_string()
+    }
+}
+
+/// `disk list` as a table.
+pub fn disks_table(disks: &[Disk]) -> String {
+    let rows: Vec<Vec<String>> = disks
+        .iter()
+        .map(|d| {
+            let c = d.config.clone().unwrap_or_default();
+            vec![
+                c.id,
+                disk_state(d).into(),
+                if d.vmm_connected { "yes" } else { "no" }.into(),
+                pid_or_dash(d.frontend_pid),
+                if d.capacity_bytes == 0 {
+                    "-".into()
+                } else {
+                    format_bytes(d.capacity_bytes)
+                },
+                c.num_queues.to_string(),
+                d.restarts.to_string(),
+                c.vhost_socket,
+            ]
+        })
+        .collect();
+    render_table(
+        &[
+            "ID", "STATE", "VMM", "PID", "SIZE", "QUEUES", "RESTARTS", "SOCKET",
+        ],
+        &rows,
+    )
+}
+
+/// `disk show` for people.
+pub fn disk_detail(d: &Disk) -> String {
+    let c = d.config.clone().unwrap_or_default();
+    let mut rows: Vec<(&str, String)> = vec![("id", c.id.clone()), ("state", disk_state(d).into())];
+    if !d.state_reason.is_empty() {
+        rows.push(("reason", d.state_reason.clone()));
+    }
+    rows.extend([
+        (
+            "vmm connected",
+            if d.vmm_connected { "yes" } else { "no" }.into(),
+        ),
+        ("vhost socket", c.vhost_socket.clone()),
+        ("image", c.image.clone()),
+        (
+            "capacity",
+            format!(
+                "{} bytes ({})",
+                d.capacity_bytes,
+                format_bytes(d.capacity_bytes)
+            ),
+        ),
+        ("read-only", if c.read_only { "yes" } else { "no" }.into()),
+        ("serial", c.serial.clone()),
+        (
+            "queues",
+            format!("{} × {} descriptors", c.num_queues, c.queue_size),
+        ),
+        ("block size", c.block_size.to_string()),
+        ("iothreads", c.iothreads.to_string()),
+        ("cache", cache_name(c.cache).into()),
+        (
+            "iothread cpus",
+            if c.iothread_cpus.is_empty() {
+                "any".into()
+            } else {
+                c.iothread_cpus.clone()
+            },
+        ),
+        ("frontend pid", pid_or_dash(d.frontend_pid)),
+        (
+            "iothread pids",
+            d.iothread_pids
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+        ("restarts", d.restarts.to_string()),
+        ("iothread restarts", d.iothread_restarts.to_string()),
+        ("features", format!("{:#x}", d.acked_features)),
+        (
+            "protocol features",
+            format!("{:#x}", d.acked_protocol_features),
+        ),
+        ("log", d.log_path.clone()),
+    ]);
+    let broken: Vec<String> = d
+        .queues
+        .iter()
+        .filter(|q| q.broken)
+        .map(|q| q.index.to_string())
+        .collect();
+    if !broken.is_empty() {
+        rows.push(("broken queues", broken.join(" ")));
+    }
+    // The key and its colon are one column.
+    let width = rows.iter().map(|(k, _)| k.len() + 1).max().unwrap_or(0);
+    rows.iter()
+        .map(|(k, v)| format!("{:<width$}  {v}\n", format!("{k}:")))
+        .collect()
+}
+
+/// The `p`-quantile (0..1) of a histogram as its bucket's upper bound in microseconds, or
+/// `None` without samples.
+pub fn percentile(h: &LatencyHistogram, p: f64) -> Option<u64> {
+    let total: u64 = h.counts.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let want = ((total as f64) * p).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (count, bound) in h.counts.iter().zip(&h.upper_bounds_us) {
+        seen += count;
+        if seen >= want {
+            return Some(*bound);
+        }
+    }
+    h.upper_bounds_us.last().copied()
+}
+
+fn format_us(us: Option<u64>) -> String {
+    match us {
+        None => "-".into(),
+        Some(u64::MAX) => "inf".into(),
+        Some(us) if us >= 10_000 => format!("{}ms", us / 1000),
+        Some(us) => format!("{us}us"),
+    }
+}
+
+fn histogram_json(h: &Option<LatencyHistogram>) -> Value {
+    match h {
+        Some(h) => json!({ "upper_bounds_us": h.upper_bounds_us, "counts": h.counts }),
+        None => Value::Null,
+    }
+}
+
+/// One queue's (or a total's) counters as JSON.
+pub fn queue_stats_json(q: &QueueStats) -> Value {
+    json!({
+        "index": q.index,
+        "read_ops": q.read_ops,
+        "read_bytes": q.read_bytes,
+        "write_ops": q.write_ops,
+        "write_bytes": q.write_bytes,
+        "flush_ops": q.flush_ops,
+        "discard_ops": q.discard_ops,
+        "discard_bytes": q.discard_bytes,
+        "write_zeroes_ops": q.write_zeroes_ops,
+        "write_zeroes_bytes": q.write_zeroes_bytes,
+        "other_ops": q.other_ops,
+        "errors": q.errors,
+        "rejected": q.rejected,
+        "in_flight": q.in_flight,
+        "latency": histogram_json(&q.latency),
+    })
+}
+
+/// Statistics as JSON: an array of per-disk objects.
+pub fn stats_json(disks: &[DiskStatistics]) -> Value {
+    Value::Array(
+        disks
+            .iter()
+            .map(|d| {
+                json!({
+                    "id": d.id,
+                    "frontend_pid": d.frontend_pid,
+                    "total": d.total.as_ref().map(queue_stats_json).unwrap_or(Value::Null),
+                    "queues": d.queues.iter().map(queue_stats_json).collect::<Vec<_>>(),
+                })
+            })
+            .collect(),
+    )
+}
+
+/// Statistics for people: one row per disk and per queue. With `prev` (the previous sample
+/// and the time since), rates per second instead of totals.
+pub fn stats_table(
+    disks: &[DiskStatistics],
+    prev: Option<(&[DiskStatistics], Duration)>,
+) -> String {
+    let rate = prev.is_some();
+    let mut rows = Vec::new();
+    for d in disks {
+        let before = prev.and_then(|(p, dt)| {
+            p.iter()
+                .find(|o| o.id == d.id && o.frontend_pid == d.frontend_pid)
+                .map(|o| (o, dt))
+        });
+        let mut add = |name: String, q: &QueueStats, old: Option<(&QueueStats, Duration)>| {
+            let per_s = |now: u64, then: Option<u64>| -> String {
+                match (old, then) {
+                    (Some((_, dt)), Some(then)) if dt.as_secs_f64() > 0.0 => {
+                        format!("{:.0}", now.saturating_sub(then) as f64 / dt.as_secs_f64())
+                    }
+                    _ if rate => "-".into(),
+                    _ => now.to_string(),
+                }
+            };
+            let bytes = |now: u64, then: Option<u64>| -> String {
+                match (old, then) {
+                    (Some((_, dt)), Some(then)) if dt.as_secs_f64() > 0.0 => format!(
+                        "{}/s",
+                        format_bytes((now.saturating_sub(then) as f64 / dt.as_secs_f64()) as u64)
+                    ),
+                    _ if rate => "-".into(),
+                    _ => format_bytes(now),
+                }
+            };
+            let o = old.map(|(o, _)| o);
+            let h = q.latency.clone().unwrap_or_default();
+            rows.push(vec![
+                name,
+                per_s(q.read_ops, o.map(|o| o.read_ops)),
+                bytes(q.read_bytes, o.map(|o| o.read_bytes)),
+                per_s(q.write_ops, o.map(|o| o.write_ops)),
+                bytes(q.write_bytes, o.map(|o| o.write_bytes)),
+                per_s(q.flush_ops, o.map(|o| o.flush_ops)),
+                per_s(
+                    q.discard_ops + q.write_zeroes_ops,
+                    o.map(|o| o.discard_ops + o.write_zeroes_ops),
+                ),
+                q.in_flight.to_string(),
+                q.errors.to_string(),
+                format_us(percentile(&h, 0.5)),
+                format_us(percentile(&h, 0.99)),
+            ]);
+        };
+        if let Some(t) = &d.total {
+            add(
+                d.id.clone(),
+                t,
+                before.and_then(|(o, dt)| o.total.as_ref().map(|t| (t, dt))),
+            );
+        }
+        if d.queues.len() > 1 {
+            for q in &d.queues {
+                let old = before.and_then(|(o, dt)| {
+                    o.queues
+                        .iter()
+                        .find(|p| p.index == q.index)
+                        .map(|p| (p, dt))
+                });
+                add(format!("  q{}", q.index), q, old);
+            }
+        }
+    }
+    let headers: [&str; 11] = if rate {
+        [
+            "DISK",
+            "READ/s",
+            "READ B/s",
+            "WRITE/s",
+            "WRITE B/s",
+            "FLUSH/s",
+            "DISCARD/s",
+            "INFLIGHT",
+            "ERRORS",
+            "P50",
+            "P99",
+        ]
+    } else {
+        [
+            "DISK", "READS", "READ", "WRITES", "WRITTEN", "FLUSHES", "DISCARDS", "INFLIGHT",
+            "ERRORS", "P50", "P99",
+        ]
+    };
+    render_table(&headers, &rows)
+}
+
+/// An event as JSON.
+pub fn event_json(e: &Event) -> Value {
+    json!({
+        "kind": kind_name(EventKind::try_from(e.kind).unwrap_or(EventKind::Unspecified)),
+        "disk_id": e.disk_id,
+        "time": format_time(e.unix_time_ms),
+        "unix_time_ms": e.unix_time_ms,
+        "pid": e.pid,
+        "message": e.message,
+    })
+}
+
+/// An event as one line for people.
+pub fn event_line(e: &Event) -> String {
+    let kind = kind_name(EventKind::try_from(e.kind).unwrap_or(EventKind::Unspecified));
+    let mut s = format!("{}  {kind:<12}  {}", format_time(e.unix_time_ms), e.disk_id);
+    if e.pid != 0 {
+        s.push_str(&format!("  pid {}", e.pid));
+    }
+    if !e.message.is_empty() {
+        s.push_str(&format!("  {}", e.message));
+    }
+    s
+}
+
+/// A resize answer as JSON.
+pub fn resize_json(id: &str, r: &ResizeDone) -> Value {
+    json!({ "id": id, "capacity_bytes": r.capacity_bytes, "guest_notified": r.guest_notified })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::DiskConfig;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size(" 1 G "), Ok(1 << 30));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+        for bad in [
+            "",
+            "G",
+            "-1",
+            "1.5G",
+            "1X",
+            "99999999999999999999",
+            "20000000P",
+        ] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(1 << 30), "1.0 GiB");
+        assert_eq!(format_bytes(3 << 19), "1.5 MiB");
+    }
+
+    #[test]
+    fn times() {
+        assert_eq!(format_time(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(format_time(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(format_time(1_767_225_599_999), "2025-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn percentiles() {
+        let h = LatencyHistogram {
+            upper_bounds_us: vec![10, 100, 1000, u64::MAX],
+            counts: vec![50, 40, 9, 1],
+        };
+        assert_eq!(percentile(&h, 0.5), Some(10));
+        assert_eq!(percentile(&h, 0.9), Some(100));
+        assert_eq!(percentile(&h, 0.99), Some(1000));
+        assert_eq!(percentile(&h, 1.0), Some(u64::MAX));
+        assert_eq!(percentile(&LatencyHistogram::default(), 0.5), None);
+    }
+
+    #[test]
+    fn tables_and_json() {
+        let d = Disk {
+            config: Some(DiskConfig {
+                id: "disk0".into(),
+                num_queues: 2,
+                vhost_socket: "/run/disk0.sock".into(),
+                ..Default::default()
+            }),
+            state: DiskState::Connected as i32,
+            vmm_connected: true,
+            frontend_pid: 42,
+            capacity_bytes: 1 << 30,
+            ..Default::default()
+        };
+        let t = disks_table(std::slice::from_ref(&d));
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("ID     STATE"), "{t}");
+        assert!(
+            lines[1].contains("connected") && lines[1].contains("1.0 GiB"),
+            "{t}"
+        );
+        let j = disk_json(&d);
+        assert_eq!(j["state"], "connected");
+        assert_eq!(j["frontend_pid"], 42);
+        assert_eq!(j["config"]["cache"], "direct");
+        assert!(disk_detail(&d).contains("frontend pid:"));
+        let e = Event {
+            kind: EventKind::Restarted as i32,
+            disk_id: "disk0".into(),
+            unix_time_ms: 0,
+            pid: 7,
+            message: "m".into(),
+        };
+        assert_eq!(
+            event_line(&e),
+            "1970-01-01T00:00:00.000Z  restarted     disk0  pid 7  m"
+        );
+        assert_eq!(event_json(&e)["kind"], "restarted");
+        let s = DiskStatistics {
+            id: "disk0".into(),
+            total: Some(QueueStats {
+                read_ops: 10,
+                ..Default::default()
+            }),
+            queues: vec![
+                QueueStats::default(),
+                QueueStats {
+                    index: 1,
+                    ..Default::default()
+                },
+            ],
+            frontend_pid: 42,
+        };
+        let t = stats_table(std::slice::from_ref(&s), None);
+        assert!(t.contains("  q1"), "{t}");
+        let mut later = s.clone();
+        later.total.as_mut().unwrap().read_ops = 30;
+        let t = stats_table(
+            std::slice::from_ref(&later),
+            Some((std::slice::from_ref(&s), Duration::from_secs(2))),
+        );
+        assert!(t.lines().nth(1).unwrap().starts_with("disk0  10 "), "{t}");
+        assert_eq!(stats_json(&[s])[0]["total"]["read_ops"], 10);
+    }
+}

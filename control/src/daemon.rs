@@ -1,0 +1,695 @@
+//! The disk table and the operations on it, below the gRPC layer: adding (validate, start,
+//! persist), removing (check, persist, stop), reading, resizing, statistics; and the start-up
+//! of blkplaned (directories, locks, orphan sweep, adoption of running frontends).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone};
+use log::warn;
+use thiserror::Error;
+
+use crate::admin::{self, AdminError};
+use crate::events::EventBus;
+use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
+use crate::proc;
+use crate::state::{DirLock, DiskSpec, State, StateError, StateStore};
+use crate::supervisor::{self, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings};
+use crate::validate::{self, ValidationError};
+
+/// How blkplaned is set up.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where the desired state is persisted.
+    pub state_dir: PathBuf,
+    /// Where sockets, pid files and logs live.
+    pub runtime_dir: PathBuf,
+    /// The `blkplane-frontend` binary.
+    pub frontend_binary: PathBuf,
+    /// If not empty, vhost-user sockets must be inside these directories (or the runtime
+    /// directory's `disks/`).
+    pub socket_dirs: Vec<PathBuf>,
+    /// If not empty, images must be inside these directories.
+    pub image_dirs: Vec<PathBuf>,
+    /// When a crashing frontend is given up.
+    pub policy: RestartPolicy,
+    /// How long a frontend may take to serve.
+    pub start_timeout: Duration,
+    /// How often running frontends are polled for VMM connects and disconnects.
+    pub poll_interval: Duration,
+}
+
+/// Failed operations. Each maps to one gRPC status code (see `service.rs`).
+#[derive(Debug, Error)]
+pub enum DaemonError {
+    /// Bad input.
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    /// No disk with that id.
+    #[error("id: no disk named {0:?}")]
+    NotFound(String),
+    /// RemoveDisk without force while a VMM is connected.
+    #[error("disk {0}: a VMM is connected; disconnect it first or remove with force")]
+    VmmConnected(String),
+    /// The disk's frontend is not running (failed, restarting or starting).
+    #[error("disk {id}: the frontend is not running (state {state}{})", if .reason.is_empty() { String::new() } else { format!(": {}", .reason) })]
+    NotRunning {
+        /// The disk.
+        id: String,
+        /// Its state.
+        state: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// ResizeDisk to a smaller size.
+    #[error("new_size_bytes: {requested} is smaller than the current capacity {current} of disk {id}; shrinking is refused")]
+    Shrink {
+        /// The disk.
+        id: String,
+        /// Its capacity now.
+        current: u64,
+        /// The requested size.
+        requested: u64,
+    },
+    /// The frontend refused a request.
+    #[error("disk {id}: the frontend refused: {reason}")]
+    Refused {
+        /// The disk.
+        id: String,
+        /// The frontend's reason.
+        reason: String,
+    },
+    /// The frontend's admin channel failed.
+    #[error("disk {id}: {source}")]
+    Admin {
+        /// The disk.
+        id: String,
+        /// What failed.
+        source: AdminError,
+    },
+    /// The frontend could not be started.
+    #[error("disk {id}: {source}")]
+    Start {
+        /// The disk.
+        id: String,
+        /// What failed.
+        source: supervisor::StartError,
+    },
+    /// The state could not be read or written.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// A directory could not be created or resolved.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+/// The name of a disk state as blkplanectl prints it.
+pub fn state_name(state: DiskState) -> &'static str {
+    match state {
+        DiskState::Unspecified => "unspecified",
+        DiskState::Starting => "starting",
+        DiskState::Ready => "ready",
+        DiskState::Connected => "connected",
+        DiskState::Restarting => "restarting",
+        DiskState::Failed => "failed",
+        DiskState::Stopping => "stopping",
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Creates `dir` (and parents) with `mode` if missing and returns its canonical path.
+fn make_dir(dir: &Path, mode: u32) -> Result<PathBuf, DaemonError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(dir)
+        .map_err(|source| DaemonError::Io {
+            what: "creating",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    std::fs::canonicalize(dir).map_err(|source| DaemonError::Io {
+        what: "resolving",
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+/// The running control plane.
+#[derive(Debug)]
+pub struct Daemon {
+    settings: Arc<Settings>,
+    store: StateStore,
+    events: EventBus,
+    ctx: validate::Context,
+    state_dir: PathBuf,
+    runtime_dir: PathBuf,
+    disks: Mutex<BTreeMap<String, Arc<DiskHandle>>>,
+    /// Serializes AddDisk and RemoveDisk: each checks the table, changes processes and
+    /// persists the state, and must not interleave with another.
+    ops: tokio::sync::Mutex<()>,
+    _locks: [DirLock; 2],
+}
+
+impl Daemon {
+    /// Starts the control plane: creates and locks the directories, reads the desired state,
+    /// removes leftovers of disks that are not in it, and starts supervising every disk
+    /// (adopting frontends that still run, starting the missing ones, in the background).
+    pub async fn open(config: Config) -> Result<Arc<Daemon>, DaemonError> {
+        // The state directory holds nothing anyone else needs. The runtime directory holds
+        // the vhost-user sockets, which a VMM running as another user must be able to reach;
+        // what must stay private there (control and admin sockets, pid files, logs) is
+        // created with mode 0600.
+        let state_dir = make_dir(&config.state_dir, 0o700)?;
+        let runtime_dir = make_dir(&config.runtime_dir, 0o755)?;
+        let disks_dir = make_dir(&runtime_dir.join("disks"), 0o755)?;
+        let locks = [
+            DirLock::acquire(&state_dir)?,
+            DirLock::acquire(&runtime_dir)?,
+        ];
+        let store = StateStore::new(&state_dir);
+        let state = store.load()?;
+        let settings = Arc::new(Settings {
+            frontend_binary: config.frontend_binary,
+            disks_dir: disks_dir.clone(),
+            policy: config.policy,
+            start_timeout: config.start_timeout,
+            poll_interval: config.poll_interval,
+        });
+        let daemon = Arc::new(Daemon {
+            settings,
+            store,
+            events: EventBus::new(),
+            ctx: validate::Context {
+                disks_dir,
+                socket_dirs: config.socket_dirs,
+                image_dirs: config.image_dirs,
+            },
+            state_dir,
+            runtime_dir,
+            disks: Mutex::new(BTreeMap::new()),
+            ops: tokio::sync::Mutex::new(()),
+            _locks: locks,
+        });
+        daemon.sweep_orphans(&state).await;
+        let mut disks = lock(&daemon.disks);
+        for spec in state.disks {
+            let id = spec.id.clone();
+            let handle = DiskHandle::spawn(
+                spec,
+                Arc::clone(&daemon.settings),
+                daemon.events.clone(),
+                Initial::AdoptOrStart,
+            );
+            disks.insert(id, handle);
+        }
+        drop(disks);
+        Ok(daemon)
+    }
+
+    /// The state directory (canonical).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// The runtime directory (canonical).
+    pub fn runtime_dir(&self) -> &Path {
+        &self.runtime_dir
+    }
+
+    /// The event bus.
+    pub fn events(&self) -> &EventBus {
+        &self.events
+    }
+
+    /// Kills frontends and removes files of disk ids in the runtime directory that are not in
+    /// the desired state: leftovers of a crash between starting a disk and persisting it, or
+    /// during a removal.
+    async fn sweep_orphans(&self, state: &State) {
+        let disks_dir = &self.settings.disks_dir;
+        let wanted: BTreeSet<&str> = state.disks.iter().map(|d| d.id.as_str()).collect();
+        // Every file of a wanted disk, whatever its name looks like.
+        let mut protected: BTreeSet<PathBuf> = BTreeSet::new();
+        for spec in &state.disks {
+            let paths = DiskPaths::new(disks_dir, spec);
+            protected.insert(paths.vhost_socket.clone());
+            protected.extend(paths.own_files().iter().map(|p| p.to_path_buf()));
+        }
+        let mut orphans = BTreeSet::new();
+        if let Ok(dir) = std::fs::read_dir(disks_dir) {
+            for entry in dir.filter_map(|e| e.ok()) {
+                let path = entry.path();
+                if protected.contains(&path) {
+                    continue;
+                }
+                let name = entry.file_name().to_string_lossy().into_owned();
+                match supervisor::split_runtime_name(&name) {
+                    // A default vhost-user socket of a disk that is gone, if nobody uses it.
+                    Some((id, supervisor::SOCKET_SUFFIX)) => {
+                        let stale = !wanted.contains(id)
+                            && entry.file_type().is_ok_and(|t| t.is_socket())
+                            && !proc::is_listening(&path);
+                        if stale {
+                            let _ = std::fs::remove_file(&path);
+                        }
+                    }
+                    Some((id, _)) if !wanted.contains(id) => {
+                        orphans.insert(id.to_string());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // Frontends whose pid file is gone but which still run with an admin socket here.
+        let prefix = format!("--admin-socket={}/", disks_dir.display());
+        for pid in proc::find_processes_with_arg_prefix(&prefix) {
+            for a in proc::cmdline(pid).unwrap_or_default() {
+                let a = a.to_string_lossy();
+                if let Some(id) = a
+                    .strip_prefix(&prefix)
+                    .and_then(|rest| rest.strip_suffix(supervisor::ADMIN_SUFFIX))
+                {
+                    if !wanted.contains(id) {
+                        orphans.insert(id.to_string());
+                    }
+                }
+            }
+        }
+        for id in orphans {
+            warn!("removing leftovers of disk {id}, which is not in the state");
+            supervisor::sweep_orphan(disks_dir, &id, &protected).await;
+        }
+    }
+
+    /// The desired state as it is in the table.
+    fn state_from(disks: &BTreeMap<String, Arc<DiskHandle>>) -> State {
+        State {
+            disks: disks.values().map(|d| d.spec.clone()).collect(),
+            ..State::default()
+        }
+    }
+
+    fn get_handle(&self, id: &str) -> Result<Arc<DiskHandle>, DaemonError> {
+        lock(&self.disks)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| DaemonError::NotFound(id.to_string()))
+    }
+
+    /// Checks an AddDisk request against the other disks.
+    fn check_conflicts(
+        &self,
+        spec: &DiskSpec,
+        identity: validate::ImageIdentity,
+    ) -> Result<(), ValidationError> {
+        let disks = lock(&self.disks);
+        if disks.contains_key(&spec.id) {
+            return Err(ValidationError::AlreadyExists {
+                field: "id",
+                reason: format!("a disk named {:?} exists", spec.id),
+            });
+        }
+        // blkplaned's own files are no disk images (a guest could rewrite the state).
+        for own in [self.store.path(), self.state_dir.join(".lock")] {
+            if validate::image_identity(&own) == Some(identity) {
+                return Err(ValidationError::Invalid {
+                    field: "image",
+                    reason: format!("{} is blkplaned's own file", spec.image.display()),
+                });
+            }
+        }
+        let own = DiskPaths::new(&self.settings.disks_dir, spec);
+        for reserved in own.own_files() {
+            if spec.vhost_socket == reserved {
+                return Err(ValidationError::Invalid {
+                    field: "vhost_socket",
+                    reason: format!("{} is reserved for blkplaned's own use", reserved.display()),
+                });
+            }
+        }
+        for other in disks.values() {
+            // This disk's own files must not be another disk's (custom) vhost-user socket.
+            if let Some(f) = own
+                .own_files()
+                .into_iter()
+                .find(|f| *f == other.spec.vhost_socket)
+            {
+                return Err(ValidationError::AlreadyExists {
+                    field: "id",
+                    reason: format!(
+                        "disk {:?} would need {}, the vhost-user socket of disk {}",
+                        spec.id,
+                        f.display(),
+                        other.spec.id
+                    ),
+                });
+            }
+            if validate::image_identity(&other.spec.image) == Some(identity) {
+                return Err(ValidationError::AlreadyExists {
+                    field: "image",
+                    reason: format!(
+                        "{} is already served by disk {}",
+                        spec.image.display(),
+                        other.spec.id
+                    ),
+                });
+            }
+            if spec.vhost_socket == other.spec.vhost_socket
+                || other
+                    .paths
+                    .own_files()
+                    .contains(&spec.vhost_socket.as_path())
+            {
+                return Err(ValidationError::AlreadyExists {
+                    field: "vhost_socket",
+                    reason: format!(
+                        "{} is already used by disk {}",
+                        spec.vhost_socket.display(),
+                        other.spec.id
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// AddDisk: validate, start the frontend and wait until it serves, persist, supervise.
+    /// On any failure nothing is left: no process, no socket, no state entry, no log.
+    pub async fn add_disk(&self, req: AddDiskRequest) -> Result<pb::Disk, DaemonError> {
+        let _ops = self.ops.lock().await;
+        // The id first: a taken id is the answer whatever else is wrong with the request.
+        validate::check_id(&req.id)?;
+        if lock(&self.disks).contains_key(&req.id) {
+            return Err(ValidationError::AlreadyExists {
+                field: "id",
+                reason: format!("a disk named {:?} exists", req.id),
+            }
+            .into());
+        }
+        let (spec, identity) = validate::check_add(&req, &self.ctx)?;
+        self.check_conflicts(&spec, identity)?;
+        let paths = DiskPaths::new(&self.settings.disks_dir, &spec);
+        // A frontend left over from an earlier disk of this id would answer on the admin
+        // socket in place of the new one.
+        for pid in supervisor::kill_strays(&paths).await {
+            warn!("disk {}: killed a stray frontend {pid}", spec.id);
+        }
+        let (fe, status) = match supervisor::start(&self.settings, &spec, &paths).await {
+            Ok(started) => started,
+            Err(source) => {
+                supervisor::remove_files(&paths);
+                return Err(DaemonError::Start {
+                    id: spec.id.clone(),
+                    source,
+                });
+            }
+        };
+        let mut state = Self::state_from(&lock(&self.disks));
+        state.disks.push(spec.clone());
+        state.disks.sort_by(|a, b| a.id.cmp(&b.id));
+        if let Err(e) = self.store.save(&state) {
+            warn!(
+                "disk {}: persisting failed, stopping it again: {e}",
+                spec.id
+            );
+            fe.stop(Duration::from_secs(5)).await;
+            supervisor::remove_files(&paths);
+            return Err(e.into());
+        }
+        let pid = fe.pid();
+        let handle = DiskHandle::spawn(
+            spec.clone(),
+            Arc::clone(&self.settings),
+            self.events.clone(),
+            Initial::Running(fe, status),
+        );
+        lock(&self.disks).insert(spec.id.clone(), Arc::clone(&handle));
+        self.events.emit(
+            EventKind::Added,
+            &spec.id,
+            pid,
+            format!("serving on {}", spec.vhost_socket.display()),
+        );
+        Ok(self.disk_info(&handle, false).await)
+    }
+
+    /// RemoveDisk: refuse while a VMM is connected unless `force`; persist; stop; clean up.
+    pub async fn remove_disk(&self, id: &str, force: bool) -> Result<(), DaemonError> {
+        let _ops = self.ops.lock().await;
+        let disk = self.get_handle(id)?;
+        if !force {
+            let rt = disk.runtime();
+            let connected = if rt.pid != 0 {
+                match admin::status(&disk.paths.admin_socket).await {
+                    Ok(s) => s.vmm_connected,
+                    // Cannot ask: trust the last poll.
+                    Err(_) => rt.state == DiskState::Connected,
+                }
+            } else {
+                false
+            };
+            if connected {
+                return Err(DaemonError::VmmConnected(id.to_string()));
+            }
+        }
+        // Persist first: once the call returns the disk must not come back, even if blkplaned
+        // dies while stopping it (a restart then sweeps what is left as an orphan).
+        let mut state = Self::state_from(&lock(&self.disks));
+        state.disks.retain(|d| d.id != id);
+        self.store.save(&state)?;
+        lock(&self.disks).remove(id);
+        let pid = disk.runtime().pid;
+        disk.stop().await;
+        self.events.emit(EventKind::Removed, id, pid, "");
+        Ok(())
+    }
+
+    /// The API view of a disk; with `fresh`, the frontend is asked for its status now rather
+    /// than reporting the last poll.
+    async fn disk_info(&self, disk: &DiskHandle, fresh: bool) -> pb::Disk {
+        let mut rt = disk.runtime();
+        if fresh && rt.pid != 0 && matches!(rt.state, DiskState::Ready | DiskState::Connected) {
+            match admin::status(&disk.paths.admin_socket).await {
+                Ok(s) => {
+                    disk.record_status(&s);
+                    rt = disk.runtime();
+                }
+                Err(e) => rt.reason = format!("status unavailable: {e}"),
+            }
+        }
+        let s = rt.status.unwrap_or_default();
+        pb::Disk {
+            config: Some(disk.spec.to_pb()),
+            state: rt.state as i32,
+            state_reason: rt.reason,
+            vmm_connected: rt.pid != 0 && s.vmm_connected,
+            frontend_pid: rt.pid,
+            iothread_pids: s.iothread_pids,
+            restarts: rt.restarts,
+            iothread_restarts: s.iothread_restarts,
+            acked_features: s.acked_features,
+            acked_protocol_features: s.acked_protocol_features,
+            capacity_bytes: s.capacity_bytes,
+            log_path: disk.paths.log_file.to_string_lossy().into_owned(),
+            queues: s.queues,
+        }
+    }
+
+    /// GetDisk.
+    pub async fn get_disk(&self, id: &str) -> Result<pb::Disk, DaemonError> {
+        let disk = self.get_handle(id)?;
+        Ok(self.disk_info(&disk, true).await)
+    }
+
+    /// ListDisks, ordered by id.
+    pub async fn list_disks(&self) -> Vec<pb::Disk> {
+        let disks: Vec<Arc<DiskHandle>> = lock(&self.disks).values().cloned().collect();
+        let mut out = Vec::with_capacity(disks.len());
+        for d in disks {
+            out.push(self.disk_info(&d, true).await);
+        }
+        out
+    }
+
+    /// The disk's admin socket if its frontend is running, else why not.
+    fn running(&self, disk: &DiskHandle) -> Result<(), DaemonError> {
+        let rt = disk.runtime();
+        if rt.pid == 0 || !matches!(rt.state, DiskState::Ready | DiskState::Connected) {
+            return Err(DaemonError::NotRunning {
+                id: disk.spec.id.clone(),
+                state: state_name(rt.state),
+                reason: rt.reason,
+            });
+        }
+        Ok(())
+    }
+
+    /// ResizeDisk: grow only, in whole blocks; the frontend grows the image and tells the guest.
+    pub async fn resize_disk(&self, id: &str, new_size: u64) -> Result<ResizeDone, DaemonError> {
+        let disk = self.get_handle(id)?;
+        validate::check_new_size(new_size, disk.spec.block_size)?;
+        self.running(&disk)?;
+        let admin_err = |source| DaemonError::Admin {
+            id: id.to_string(),
+            source,
+        };
+        let status = admin::status(&disk.paths.admin_socket)
+            .await
+            .map_err(admin_err)?;
+        if new_size < status.capacity_bytes {
+            return Err(DaemonError::Shrink {
+                id: id.to_string(),
+                current: status.capacity_bytes,
+                requested: new_size,
+            });
+        }
+        let done = admin::resize(&disk.paths.admin_socket, new_size)
+            .await
+            .map_err(|e| match e {
+                AdminError::Refused(reason) => DaemonError::Refused {
+                    id: id.to_string(),
+                    reason,
+                },
+                other => admin_err(other),
+            })?;
+        self.events.emit(
+            EventKind::Resized,
+            id,
+            disk.runtime().pid,
+            format!(
+                "capacity {} bytes; guest notified: {}",
+                done.capacity_bytes, done.guest_notified
+            ),
+        );
+        Ok(done)
+    }
+
+    /// GetStats of one disk, or (empty id) of every running disk.
+    pub async fn get_stats(&self, id: &str) -> Result<Vec<DiskStatistics>, DaemonError> {
+        let disks: Vec<Arc<DiskHandle>> = if id.is_empty() {
+            lock(&self.disks).values().cloned().collect()
+        } else {
+            let disk = self.get_handle(id)?;
+            self.running(&disk)?;
+            vec![disk]
+        };
+        let mut out = Vec::new();
+        for disk in disks {
+            let pid = disk.runtime().pid;
+            if pid == 0 {
+                continue;
+            }
+            match admin::stats(&disk.paths.admin_socket).await {
+                Ok(stats) => out.push(DiskStatistics {
+                    id: disk.spec.id.clone(),
+                    total: Some(sum_queues(&stats.queues)),
+                    queues: stats.queues,
+                    frontend_pid: pid,
+                }),
+                Err(source) if !id.is_empty() => {
+                    return Err(DaemonError::Admin {
+                        id: id.to_string(),
+                        source,
+                    })
+                }
+                Err(e) => warn!("disk {}: statistics unavailable: {e}", disk.spec.id),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits until no disk is starting or restarting (or `timeout` passed); returns the
+    /// disks as they are then.
+    pub async fn settle(&self, timeout: Duration) -> Vec<pb::Disk> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let busy = lock(&self.disks).values().any(|d| {
+                matches!(
+                    d.runtime().state,
+                    DiskState::Starting | DiskState::Restarting
+                )
+            });
+            if !busy || Instant::now() >= deadline {
+                return self.list_disks().await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Adds up per-queue counters into one (index = number of queues). Latency histograms are
+/// added bucket by bucket when their bounds agree (they come from one frontend, so they do).
+pub fn sum_queues(queues: &[QueueStats]) -> QueueStats {
+    let mut t = QueueStats {
+        index: u32::try_from(queues.len()).unwrap_or(u32::MAX),
+        ..Default::default()
+    };
+    let mut latency: Option<LatencyHistogram> = None;
+    for q in queues {
+        t.read_ops += q.read_ops;
+        t.read_bytes += q.read_bytes;
+        t.write_ops += q.write_ops;
+        t.write_bytes += q.write_bytes;
+        t.flush_ops += q.flush_ops;
+        t.discard_ops += q.discard_ops;
+        t.discard_bytes += q.discard_bytes;
+        t.write_zeroes_ops += q.write_zeroes_ops;
+        t.write_zeroes_bytes += q.write_zeroes_bytes;
+        t.other_ops += q.other_ops;
+        t.errors += q.errors;
+        t.rejected += q.rejected;
+        t.in_flight += q.in_flight;
+        if let Some(h) = &q.latency {
+            match &mut latency {
+                None => latency = Some(h.clone()),
+                Some(sum) if sum.upper_bounds_us == h.upper_bounds_us => {
+                    for (s, c) in sum.counts.iter_mut().zip(&h.counts) {
+                        *s += c;
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    t.latency = latency;
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals() {
+        let h = |c: Vec<u64>| LatencyHistogram {
+            upper_bounds_us: vec![10, 100, u64::MAX],
+            counts: c,
+        };
+        let q = |i: u32, r: u64, c: Vec<u64>| QueueStats {
+            index: i,
+            read_ops: r,
+            read_bytes: r * 4096,
+            in_flight: 1,
+            latency: Some(h(c)),
+            ..Default::default()
+        };
+        let t = sum_queues(&[q(0, 3, vec![1, 2, 0]), q(1, 5, vec![0, 4, 1])]);
+        assert_eq!(t.index, 2);
+        assert_eq!((t.read_ops, t.read_bytes, t.in_flight), (8, 8 * 4096, 2));
+        assert_eq!(t.latency.unwrap().counts, vec![1, 6, 1]);
+        assert_eq!(sum_queues(&[]).latency, None);
+    }
+}

@@ -1,0 +1,135 @@
+//! The gRPC service `blkplane.v1.Control`: a thin layer over [`Daemon`] that turns its errors
+//! into canonical status codes.
+
+use std::sync::Arc;
+
+use blkplane_proto::v1::ResizeDone;
+use log::{info, warn};
+use tonic::{Request, Response, Status};
+
+use crate::daemon::{Daemon, DaemonError};
+use crate::events::EventStream;
+use crate::pb::control_server::Control;
+use crate::pb::{
+    AddDiskRequest, Disk, GetDiskRequest, GetStatsRequest, GetStatsResponse, ListDisksRequest,
+    ListDisksResponse, RemoveDiskRequest, RemoveDiskResponse, ResizeDiskRequest,
+    WatchEventsRequest,
+};
+use crate::validate::ValidationError;
+
+/// The gRPC service.
+#[derive(Debug, Clone)]
+pub struct ControlService {
+    daemon: Arc<Daemon>,
+}
+
+impl ControlService {
+    /// A service over `daemon`.
+    pub fn new(daemon: Arc<Daemon>) -> ControlService {
+        ControlService { daemon }
+    }
+}
+
+/// The status code of each error: the message already names the field or the disk.
+pub fn to_status(e: DaemonError) -> Status {
+    let msg = e.to_string();
+    match &e {
+        DaemonError::Validation(v) => match v {
+            ValidationError::Invalid { .. } => Status::invalid_argument(msg),
+            ValidationError::NotFound { .. } => Status::not_found(msg),
+            ValidationError::AlreadyExists { .. } => Status::already_exists(msg),
+        },
+        DaemonError::NotFound(_) => Status::not_found(msg),
+        DaemonError::VmmConnected(_)
+        | DaemonError::NotRunning { .. }
+        | DaemonError::Shrink { .. }
+        | DaemonError::Refused { .. } => Status::failed_precondition(msg),
+        DaemonError::Admin { .. } => Status::unavailable(msg),
+        // The message carries the frontend's own words (the end of its log).
+        DaemonError::Start { .. } | DaemonError::State(_) | DaemonError::Io { .. } => {
+            Status::internal(msg)
+        }
+    }
+}
+
+/// Logs a failed call (the caller sees the same message).
+fn logged(call: &str, e: DaemonError) -> Status {
+    let status = to_status(e);
+    warn!("{call}: {:?}: {}", status.code(), status.message());
+    status
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn add_disk(&self, request: Request<AddDiskRequest>) -> Result<Response<Disk>, Status> {
+        let req = request.into_inner();
+        info!("AddDisk {:?} image {:?}", req.id, req.image);
+        let disk = self
+            .daemon
+            .add_disk(req)
+            .await
+            .map_err(|e| logged("AddDisk", e))?;
+        Ok(Response::new(disk))
+    }
+
+    async fn remove_disk(
+        &self,
+        request: Request<RemoveDiskRequest>,
+    ) -> Result<Response<RemoveDiskResponse>, Status> {
+        let req = request.into_inner();
+        info!("RemoveDisk {:?} force={}", req.id, req.force);
+        self.daemon
+            .remove_disk(&req.id, req.force)
+            .await
+            .map_err(|e| logged("RemoveDisk", e))?;
+        Ok(Response::new(RemoveDiskResponse {}))
+    }
+
+    async fn list_disks(
+        &self,
+        _request: Request<ListDisksRequest>,
+    ) -> Result<Response<ListDisksResponse>, Status> {
+        Ok(Response::new(ListDisksResponse {
+            disks: self.daemon.list_disks().await,
+        }))
+    }
+
+    async fn get_disk(&self, request: Request<GetDiskRequest>) -> Result<Response<Disk>, Status> {
+        let id = request.into_inner().id;
+        let disk = self.daemon.get_disk(&id).await.map_err(to_status)?;
+        Ok(Response::new(disk))
+    }
+
+    async fn resize_disk(
+        &self,
+        request: Request<ResizeDiskRequest>,
+    ) -> Result<Response<ResizeDone>, Status> {
+        let req = request.into_inner();
+        info!("ResizeDisk {:?} to {} bytes", req.id, req.new_size_bytes);
+        let done = self
+            .daemon
+            .resize_disk(&req.id, req.new_size_bytes)
+            .await
+            .map_err(|e| logged("ResizeDisk", e))?;
+        Ok(Response::new(done))
+    }
+
+    async fn get_stats(
+        &self,
+        request: Request<GetStatsRequest>,
+    ) -> Result<Response<GetStatsResponse>, Status> {
+        let id = request.into_inner().id;
+        let disks = self.daemon.get_stats(&id).await.map_err(to_status)?;
+        Ok(Response::new(GetStatsResponse { disks }))
+    }
+
+    type WatchEventsStream = EventStream;
+
+    async fn watch_events(
+        &self,
+        request: Request<WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let id = request.into_inner().id;
+        Ok(Response::new(self.daemon.events().watch(id)))
+    }
+}

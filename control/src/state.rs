@@ -1,0 +1,376 @@
+//! The desired state: which disks exist and how they are configured, persisted as JSON in
+//! `STATE_DIR/state.json`.
+//!
+//! Every change is written atomically: a temp file in the same directory is written and
+//! fsynced, renamed over the old file, and the directory is fsynced, so that after a crash
+//! (of blkplaned or of the machine) the file is either the old or the new state, never a mix.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::pb;
+
+/// The state file's name inside the state directory.
+pub const STATE_FILE: &str = "state.json";
+/// The format version written into the state file.
+pub const STATE_VERSION: u32 = 1;
+
+/// Errors reading or writing the state.
+#[derive(Debug, Error)]
+pub enum StateError {
+    /// A file operation failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The state file is not valid JSON of the expected shape.
+    #[error("{} is corrupt: {source}", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// The state file was written by a newer blkplaned.
+    #[error("{} has format version {found}; this blkplaned reads version {STATE_VERSION}", path.display())]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// Its version.
+        found: u32,
+    },
+    /// Another process holds the directory's lock.
+    #[error("{} is locked by another blkplaned", path.display())]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+    },
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StateError + 'a {
+    move |source| StateError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Host cache mode, as stored and as passed to the frontend's `--cache`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Cache {
+    /// O_DIRECT.
+    Direct,
+    /// Page cache.
+    Writeback,
+    /// Every write durable.
+    Writethrough,
+}
+
+impl Cache {
+    /// The frontend's `--cache` value.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Cache::Direct => "direct",
+            Cache::Writeback => "writeback",
+            Cache::Writethrough => "writethrough",
+        }
+    }
+
+    /// The API value.
+    pub fn to_pb(self) -> pb::CacheMode {
+        match self {
+            Cache::Direct => pb::CacheMode::Direct,
+            Cache::Writeback => pb::CacheMode::Writeback,
+            Cache::Writethrough => pb::CacheMode::Writethrough,
+        }
+    }
+}
+
+/// One disk's configuration: validated, defaults filled in, paths absolute.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskSpec {
+    /// The disk's name.
+    pub id: String,
+    /// The image.
+    pub image: PathBuf,
+    /// Offered read-only.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Serial number (GET_ID).
+    #[serde(default)]
+    pub serial: String,
+    /// Request queues.
+    pub num_queues: u16,
+    /// Largest ring size.
+    pub queue_size: u16,
+    /// Logical block size.
+    pub block_size: u32,
+    /// Iothread processes.
+    pub iothreads: u16,
+    /// Host cache mode.
+    pub cache: Cache,
+    /// CPU list for the iothreads; empty for none.
+    #[serde(default)]
+    pub iothread_cpus: String,
+    /// The vhost-user socket.
+    pub vhost_socket: PathBuf,
+}
+
+impl DiskSpec {
+    /// The API view of this configuration.
+    pub fn to_pb(&self) -> pb::DiskConfig {
+        pb::DiskConfig {
+            id: self.id.clone(),
+            image: self.image.to_string_lossy().into_owned(),
+            read_only: self.read_only,
+            serial: self.serial.clone(),
+            num_queues: u32::from(self.num_queues),
+            queue_size: u32::from(self.queue_size),
+            block_size: self.block_size,
+            iothreads: u32::from(self.iothreads),
+            cache: self.cache.to_pb() as i32,
+            iothread_cpus: self.iothread_cpus.clone(),
+            vhost_socket: self.vhost_socket.to_string_lossy().into_owned(),
+        }
+    }
+}
+
+/// The content of the state file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    /// Format version ([`STATE_VERSION`]).
+    pub version: u32,
+    /// The disks, ordered by id.
+    pub disks: Vec<DiskSpec>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            version: STATE_VERSION,
+            disks: Vec::new(),
+        }
+    }
+}
+
+/// The state file of one state directory.
+#[derive(Debug, Clone)]
+pub struct StateStore {
+    dir: PathBuf,
+}
+
+impl StateStore {
+    /// The store in `dir` (which must exist).
+    pub fn new(dir: &Path) -> StateStore {
+        StateStore {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// The state file's path.
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(STATE_FILE)
+    }
+
+    /// Whether a state file exists (false on the very first run).
+    pub fn exists(&self) -> bool {
+        self.path().exists()
+    }
+
+    /// Reads the state; a missing file is an empty state.
+    pub fn load(&self) -> Result<State, StateError> {
+        let path = self.path();
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(State::default()),
+            Err(e) => return Err(io("reading", &path)(e)),
+        };
+        let mut state: State =
+            serde_json::from_slice(&text).map_err(|source| StateError::Corrupt {
+                path: path.clone(),
+                source,
+            })?;
+        if state.version != STATE_VERSION {
+            return Err(StateError::Version {
+                path,
+                found: state.version,
+            });
+        }
+        state.disks.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(state)
+    }
+
+    /// Replaces the state atomically: temp file, fsync, rename, fsync of the directory.
+    pub fn save(&self, state: &State) -> Result<(), StateError> {
+        let path = self.path();
+        let tmp = self.dir.join(format!(".{STATE_FILE}.tmp"));
+        let mut json = serde_json::to_vec_pretty(state).map_err(|source| StateError::Corrupt {
+            path: path.clone(),
+            source,
+        })?;
+        json.push(b'\n');
+        let result = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io("creating", &tmp))?;
+            f.write_all(&json).map_err(io("writing", &tmp))?;
+            f.sync_all().map_err(io("syncing", &tmp))?;
+            drop(f);
+            std::fs::rename(&tmp, &path).map_err(io("renaming over", &path))?;
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io("syncing", &self.dir))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+}
+
+/// An exclusive `flock` on a file, held as long as this value lives (and released by the
+/// kernel if the process dies, so a SIGKILLed blkplaned never leaves a stale lock).
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    /// Takes the lock on `DIR/.lock`, failing at once if another process holds it.
+    pub fn acquire(dir: &Path) -> Result<DirLock, StateError> {
+        let path = dir.join(".lock");
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io("opening", &path))?;
+        // SAFETY: plain syscall on an fd we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Err(StateError::Locked { path });
+            }
+            return Err(io("locking", &path)(e));
+        }
+        Ok(DirLock { _file: file })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("bps-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    fn spec(id: &str) -> DiskSpec {
+        DiskSpec {
+            id: id.into(),
+            image: PathBuf::from(format!("/images/{id}.img")),
+            read_only: false,
+            serial: "s".into(),
+            num_queues: 2,
+            queue_size: 128,
+            block_size: 4096,
+            iothreads: 2,
+            cache: Cache::Writeback,
+            iothread_cpus: "0-1".into(),
+            vhost_socket: PathBuf::from(format!("/run/{id}.sock")),
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let dir = tmp("rt");
+        let store = StateStore::new(&dir);
+        assert!(!store.exists());
+        assert_eq!(store.load().unwrap(), State::default());
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![spec("a"), spec("b")],
+        };
+        store.save(&state).unwrap();
+        assert!(store.exists());
+        assert_eq!(store.load().unwrap(), state);
+        // Replacing leaves no temp file behind and the new content in place.
+        let smaller = State {
+            version: STATE_VERSION,
+            disks: vec![spec("b")],
+        };
+        store.save(&smaller).unwrap();
+        assert_eq!(store.load().unwrap(), smaller);
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names, vec![STATE_FILE.to_string()]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn old_file_survives_a_failed_write() {
+        let dir = tmp("fail");
+        let store = StateStore::new(&dir);
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![spec("a")],
+        };
+        store.save(&state).unwrap();
+        // A directory where the temp file goes makes the write fail before the rename.
+        std::fs::create_dir(dir.join(format!(".{STATE_FILE}.tmp"))).unwrap();
+        assert!(store.save(&State::default()).is_err());
+        assert_eq!(store.load().unwrap(), state);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn corrupt_and_future_files() {
+        let dir = tmp("corrupt");
+        let store = StateStore::new(&dir);
+        std::fs::write(store.path(), b"{\"version\": 1, \"disks\": [").unwrap();
+        assert!(matches!(store.load(), Err(StateError::Corrupt { .. })));
+        std::fs::write(store.path(), b"{\"version\": 9, \"disks\": []}").unwrap();
+        assert!(matches!(
+            store.load(),
+            Err(StateError::Version { found: 9, .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn lock_is_exclusive() {
+        let dir = tmp("lock");
+        let first = DirLock::acquire(&dir).unwrap();
+        // flock locks belong to the open file description, so a second open in the same
+        // process conflicts just like another process would.
+        assert!(matches!(
+            DirLock::acquire(&dir),
+            Err(StateError::Locked { .. })
+        ));
+        drop(first);
+        DirLock::acquire(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

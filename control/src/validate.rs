@@ -1,0 +1,823 @@
+//! Validation of API input: every rule says which field broke it, so that a caller (or a
+//! person reading `blkplanectl`'s error) knows what to fix.
+//!
+//! Checks here look at the request and the file system only; the checks against other disks
+//! (duplicate id, image or socket) are done by the service, which sees the disk table.
+
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Component, Path, PathBuf};
+
+use thiserror::Error;
+
+use crate::pb::{AddDiskRequest, CacheMode};
+use crate::proc;
+use crate::state::{Cache, DiskSpec};
+
+/// Longest disk id.
+pub const MAX_ID_LEN: usize = 64;
+/// Longest serial number (virtio-blk GET_ID answers 20 bytes).
+pub const MAX_SERIAL_LEN: usize = 20;
+/// Most request queues.
+pub const MAX_QUEUES: u32 = 256;
+/// Largest queue size.
+pub const MAX_QUEUE_SIZE: u32 = 32768;
+/// Most iothreads of one disk (the frontend's limit).
+pub const MAX_IOTHREADS: u32 = 64;
+/// Longest UNIX socket path: `sun_path` holds 108 bytes including the terminating NUL.
+pub const MAX_SOCKET_PATH: usize = 107;
+/// Default number of request queues.
+pub const DEFAULT_QUEUES: u16 = 1;
+/// Default queue size.
+pub const DEFAULT_QUEUE_SIZE: u16 = 256;
+/// Default logical block size.
+pub const DEFAULT_BLOCK_SIZE: u32 = 512;
+/// Default number of iothreads.
+pub const DEFAULT_IOTHREADS: u16 = 1;
+
+/// A rejected input. The message always starts with the field's name (as in the .proto).
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ValidationError {
+    /// The field is malformed or out of range (INVALID_ARGUMENT).
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The request field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The field names something that does not exist (NOT_FOUND).
+    #[error("{field}: {reason}")]
+    NotFound {
+        /// The request field.
+        field: &'static str,
+        /// What was not found.
+        reason: String,
+    },
+    /// The field names something another disk (or process) already has (ALREADY_EXISTS).
+    #[error("{field}: {reason}")]
+    AlreadyExists {
+        /// The request field.
+        field: &'static str,
+        /// Who has it.
+        reason: String,
+    },
+}
+
+impl ValidationError {
+    /// The request field that was rejected.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ValidationError::Invalid { field, .. }
+            | ValidationError::NotFound { field, .. }
+            | ValidationError::AlreadyExists { field, .. } => field,
+        }
+    }
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ValidationError {
+    ValidationError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// What validation needs to know about the daemon.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// `RUNTIME_DIR/disks`: default home of vhost-user sockets, and of every disk's admin
+    /// socket, pid file and log.
+    pub disks_dir: PathBuf,
+    /// If not empty, vhost-user sockets must be inside one of these directories.
+    pub socket_dirs: Vec<PathBuf>,
+    /// If not empty, images must be inside one of these directories (after resolving
+    /// symlinks).
+    pub image_dirs: Vec<PathBuf>,
+}
+
+/// Checks a disk id: 1..=64 characters of `[A-Za-z0-9._-]`, not starting with '.' (so that it
+/// can name files: no separators, no `.`/`..`, no hidden files).
+pub fn check_id(id: &str) -> Result<(), ValidationError> {
+    if id.is_empty() {
+        return Err(invalid("id", "must not be empty"));
+    }
+    if id.len() > MAX_ID_LEN {
+        return Err(invalid(
+            "id",
+            format!("{} characters; at most {MAX_ID_LEN} are allowed", id.len()),
+        ));
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(invalid(
+            "id",
+            format!("{id:?} contains {c:?}; only A-Z, a-z, 0-9, '.', '_' and '-' are allowed"),
+        ));
+    }
+    if id.starts_with('.') {
+        return Err(invalid("id", format!("{id:?} must not start with '.'")));
+    }
+    Ok(())
+}
+
+/// Who an image is, to find two disks on one image whatever path names it: (device, inode)
+/// of a regular file, the device number of a block device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageIdentity {
+    /// A regular file.
+    File {
+        /// `st_dev`.
+        dev: u64,
+        /// `st_ino`.
+        ino: u64,
+    },
+    /// A block device.
+    Block {
+        /// `st_rdev`.
+        rdev: u64,
+    },
+}
+
+/// The identity of the image at `path`, following symlinks; `None` if it cannot be stat'ed
+/// or is neither a regular file nor a block device.
+pub fn image_identity(path: &Path) -> Option<ImageIdentity> {
+    let md = std::fs::metadata(path).ok()?;
+    if md.file_type().is_file() {
+        Some(ImageIdentity::File {
+            dev: md.dev(),
+            ino: md.ino(),
+        })
+    } else if md.file_type().is_block_device() {
+        Some(ImageIdentity::Block { rdev: md.rdev() })
+    } else {
+        None
+    }
+}
+
+/// Checks `image` (absolute, exists, a regular file or block device, at least one block,
+/// inside an allowed directory if any are configured) and returns its identity.
+pub fn check_image(
+    image: &str,
+    block_size: u32,
+    image_dirs: &[PathBuf],
+) -> Result<ImageIdentity, ValidationError> {
+    if image.is_empty() {
+        return Err(invalid("image", "must not be empty"));
+    }
+    let path = Path::new(image);
+    if !path.is_absolute() {
+        return Err(invalid(
+            "image",
+            format!("{image:?} is not an absolute path"),
+        ));
+    }
+    let md = match std::fs::metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ValidationError::NotFound {
+                field: "image",
+                reason: format!("{image} does not exist"),
+            })
+        }
+        Err(e) => return Err(invalid("image", format!("{image}: {e}"))),
+    };
+    let ft = md.file_type();
+    let size = if ft.is_file() {
+        md.len()
+    } else if ft.is_block_device() {
+        proc::block_device_size(path).map_err(|e| invalid("image", format!("{image}: {e}")))?
+    } else {
+        return Err(invalid(
+            "image",
+            format!("{image} is not a regular file or a block device"),
+        ));
+    };
+    if size < u64::from(block_size) {
+        return Err(invalid(
+            "image",
+            format!("{image} has {size} bytes, less than one {block_size}-byte block"),
+        ));
+    }
+    if !image_dirs.is_empty() {
+        // Resolved, so that neither a symlink nor a '..' leads out of the allowed directories.
+        let real =
+            std::fs::canonicalize(path).map_err(|e| invalid("image", format!("{image}: {e}")))?;
+        let inside = image_dirs
+            .iter()
+            .any(|dir| std::fs::canonicalize(dir).is_ok_and(|dir| real.starts_with(dir)));
+        if !inside {
+            return Err(invalid(
+                "image",
+                format!(
+                    "{image} is outside the allowed image directories ({})",
+                    image_dirs
+                        .iter()
+                        .map(|d| d.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+    }
+    image_identity(path).ok_or_else(|| invalid("image", format!("{image} changed while checked")))
+}
+
+/// Parses a CPU list such as `0-1,3` into the CPU numbers (sorted, without duplicates).
+pub fn parse_cpu_list(list: &str) -> Result<Vec<u32>, String> {
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        let part = part.trim();
+        let (lo, hi) = match part.split_once('-') {
+            Some((lo, hi)) => (lo.trim(), hi.trim()),
+            None => (part, part),
+        };
+        let parse = |s: &str| {
+            s.parse::<u32>()
+                .map_err(|_| format!("{part:?} is not a CPU number or range like 0-3"))
+        };
+        let (lo, hi) = (parse(lo)?, parse(hi)?);
+        if lo > hi {
+            return Err(format!("range {part:?} is backwards"));
+        }
+        if hi >= libc::CPU_SETSIZE as u32 {
+            return Err(format!("CPU {hi} is beyond {}", libc::CPU_SETSIZE - 1));
+        }
+        cpus.extend(lo..=hi);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Ok(cpus)
+}
+
+/// Checks a CPU list: well-formed, and every CPU present on this machine.
+pub fn check_cpu_list(list: &str) -> Result<(), ValidationError> {
+    let cpus = parse_cpu_list(list).map_err(|e| invalid("iothread_cpus", e))?;
+    if let Some(possible) = proc::possible_cpus() {
+        if let Some(cpu) = cpus.iter().find(|c| !possible.contains(c)) {
+            return Err(invalid(
+                "iothread_cpus",
+                format!("CPU {cpu} does not exist on this machine"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `path` has a `..` component (or is not normalized in a way that could hide one).
+fn has_parent_component(path: &Path) -> bool {
+    path.components().any(|c| matches!(c, Component::ParentDir))
+}
+
+/// Resolves and checks the vhost-user socket path: empty → `DISKS_DIR/ID.sock`; relative →
+/// under `DISKS_DIR`; no `..` anywhere; short enough for `sun_path`; its directory exists;
+/// inside one of the allowed directories if any are configured; an existing file there must
+/// be a socket nobody listens on (the frontend replaces it, so anything else would be lost).
+pub fn resolve_vhost_socket(
+    requested: &str,
+    id: &str,
+    ctx: &Context,
+) -> Result<PathBuf, ValidationError> {
+    const F: &str = "vhost_socket";
+    let path = if requested.is_empty() {
+        ctx.disks_dir.join(format!("{id}.sock"))
+    } else {
+        let p = Path::new(requested);
+        if has_parent_component(p) {
+            return Err(invalid(
+                F,
+                format!("{requested:?} contains a '..' component"),
+            ));
+        }
+        if requested.ends_with('/') {
+            return Err(invalid(F, format!("{requested:?} names a directory")));
+        }
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            ctx.disks_dir.join(p)
+        }
+    };
+    // Drop `.` components and doubled slashes, so that one socket has one spelling and the
+    // duplicate check compares like with like.
+    let path: PathBuf = path.components().collect();
+    let len = path.as_os_str().as_bytes().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(invalid(
+            F,
+            format!(
+                "{} is {len} bytes long; a UNIX socket path has at most {MAX_SOCKET_PATH}",
+                path.display()
+            ),
+        ));
+    }
+    let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        return Err(invalid(F, format!("{} has no directory", path.display())));
+    };
+    let canonical_parent = match std::fs::canonicalize(parent) {
+        Ok(p) if p.is_dir() => p,
+        Ok(_) => {
+            return Err(invalid(
+                F,
+                format!("{} is not a directory", parent.display()),
+            ))
+        }
+        Err(e) => {
+            return Err(ValidationError::NotFound {
+                field: F,
+                reason: format!("directory {}: {e}", parent.display()),
+            })
+        }
+    };
+    if !ctx.socket_dirs.is_empty() {
+        let allowed = ctx.socket_dirs.iter().any(|dir| {
+            std::fs::canonicalize(dir).is_ok_and(|dir| canonical_parent.starts_with(dir))
+        });
+        // The disks dir is always allowed: it is where the default socket lives.
+        let in_disks_dir = std::fs::canonicalize(&ctx.disks_dir)
+            .is_ok_and(|dir| canonical_parent.starts_with(dir));
+        if !allowed && !in_disks_dir {
+            return Err(invalid(
+                F,
+                format!(
+                    "{} is outside the allowed socket directories ({})",
+                    path.display(),
+                    ctx.socket_dirs
+                        .iter()
+                        .map(|d| d.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+    }
+    match std::fs::symlink_metadata(&path) {
+        Ok(md) if md.file_type().is_socket() => {
+            if proc::is_listening(&path) {
+                return Err(ValidationError::AlreadyExists {
+                    field: F,
+                    reason: format!("another process listens on {}", path.display()),
+                });
+            }
+        }
+        Ok(_) => {
+            return Err(invalid(
+                F,
+                format!("{} exists and is not a socket", path.display()),
+            ))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(invalid(F, format!("{}: {e}", path.display()))),
+    }
+    Ok(path)
+}
+
+/// Checks an AddDisk request and turns it into the disk's stored configuration (defaults
+/// filled in, socket path resolved). Returns the image's identity too, for the duplicate
+/// check.
+pub fn check_add(
+    req: &AddDiskRequest,
+    ctx: &Context,
+) -> Result<(DiskSpec, ImageIdentity), ValidationError> {
+    check_id(&req.id)?;
+    let admin = ctx
+        .disks_dir
+        .join(format!("{}{}", req.id, crate::supervisor::ADMIN_SUFFIX));
+    if admin.as_os_str().as_bytes().len() > MAX_SOCKET_PATH {
+        return Err(invalid(
+            "id",
+            format!(
+                "too long for this runtime directory: the admin socket {} would exceed the \
+                 {MAX_SOCKET_PATH}-byte limit of a UNIX socket path",
+                admin.display()
+            ),
+        ));
+    }
+
+    let num_queues = if req.num_queues == 0 {
+        u32::from(DEFAULT_QUEUES)
+    } else {
+        req.num_queues
+    };
+    if !(1..=MAX_QUEUES).contains(&num_queues) {
+        return Err(invalid(
+            "num_queues",
+            format!("{num_queues} is not in 1..={MAX_QUEUES}"),
+        ));
+    }
+    let queue_size = if req.queue_size == 0 {
+        u32::from(DEFAULT_QUEUE_SIZE)
+    } else {
+        req.queue_size
+    };
+    if !(2..=MAX_QUEUE_SIZE).contains(&queue_size) || !queue_size.is_power_of_two() {
+        return Err(invalid(
+            "queue_size",
+            format!("{queue_size} is not a power of two in 2..={MAX_QUEUE_SIZE}"),
+        ));
+    }
+    let block_size = if req.block_size == 0 {
+        DEFAULT_BLOCK_SIZE
+    } else {
+        req.block_size
+    };
+    if block_size != 512 && block_size != 4096 {
+        return Err(invalid(
+            "block_size",
+            format!("{block_size} is neither 512 nor 4096"),
+        ));
+    }
+    let iothreads = if req.iothreads == 0 {
+        u32::from(DEFAULT_IOTHREADS)
+    } else {
+        req.iothreads
+    };
+    let max_iothreads = num_queues.min(MAX_IOTHREADS);
+    if !(1..=max_iothreads).contains(&iothreads) {
+        return Err(invalid(
+            "iothreads",
+            format!(
+                "{iothreads} is not in 1..={max_iothreads} (at most num_queues, at most \
+                 {MAX_IOTHREADS})"
+            ),
+        ));
+    }
+    let cache = match CacheMode::try_from(req.cache) {
+        Ok(CacheMode::Unspecified | CacheMode::Direct) => Cache::Direct,
+        Ok(CacheMode::Writeback) => Cache::Writeback,
+        Ok(CacheMode::Writethrough) => Cache::Writethrough,
+        Err(_) => {
+            return Err(invalid(
+                "cache",
+                format!("{} is not a CacheMode value", req.cache),
+            ))
+        }
+    };
+    if req.serial.len() > MAX_SERIAL_LEN {
+        return Err(invalid(
+            "serial",
+            format!(
+                "{} bytes; at most {MAX_SERIAL_LEN} are allowed",
+                req.serial.len()
+            ),
+        ));
+    }
+    if let Some(c) = req.serial.chars().find(|c| !(' '..='~').contains(c)) {
+        return Err(invalid(
+            "serial",
+            format!("contains {c:?}; only printable ASCII is allowed"),
+        ));
+    }
+    let iothread_cpus = req.iothread_cpus.trim().to_string();
+    if !iothread_cpus.is_empty() {
+        check_cpu_list(&iothread_cpus)?;
+    }
+    let identity = check_image(&req.image, block_size, &ctx.image_dirs)?;
+    let vhost_socket = resolve_vhost_socket(&req.vhost_socket, &req.id, ctx)?;
+
+    // The casts cannot truncate: every value was range-checked above.
+    let spec = DiskSpec {
+        id: req.id.clone(),
+        image: PathBuf::from(&req.image),
+        read_only: req.read_only,
+        serial: req.serial.clone(),
+        num_queues: num_queues as u16,
+        queue_size: queue_size as u16,
+        block_size,
+        iothreads: iothreads as u16,
+        cache,
+        iothread_cpus,
+        vhost_socket,
+    };
+    Ok((spec, identity))
+}
+
+/// Checks a ResizeDisk size against the disk's block size (the current capacity is checked
+/// by the service, which asks the frontend).
+pub fn check_new_size(new_size: u64, block_size: u32) -> Result<(), ValidationError> {
+    if new_size == 0 {
+        return Err(invalid("new_size_bytes", "must not be 0"));
+    }
+    if !new_size.is_multiple_of(u64::from(block_size)) {
+        return Err(invalid(
+            "new_size_bytes",
+            format!("{new_size} is not a multiple of the block size {block_size}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct Tmp(PathBuf);
+
+    impl Tmp {
+        fn new(tag: &str) -> Tmp {
+            use std::sync::atomic::{AtomicUsize, Ordering};
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let p = std::env::temp_dir().join(format!(
+                "bpv-{tag}-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(&p).unwrap();
+            Tmp(p)
+        }
+    }
+
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn ctx(tmp: &Tmp) -> Context {
+        let disks_dir = tmp.0.join("disks");
+        std::fs::create_dir_all(&disks_dir).unwrap();
+        Context {
+            disks_dir,
+            socket_dirs: Vec::new(),
+            image_dirs: Vec::new(),
+        }
+    }
+
+    fn request(tmp: &Tmp) -> AddDiskRequest {
+        let image = tmp.0.join("disk.img");
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        AddDiskRequest {
+            id: "disk0".into(),
+            image: image.to_str().unwrap().into(),
+            ..Default::default()
+        }
+    }
+
+    fn field_of(r: Result<(DiskSpec, ImageIdentity), ValidationError>) -> &'static str {
+        r.expect_err("expected an error").field()
+    }
+
+    #[test]
+    fn ids() {
+        for good in ["a", "disk0", "A.b_c-9", &"x".repeat(64)] {
+            assert_eq!(check_id(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            ".hidden",
+            "..",
+            "a/b",
+            "../etc",
+            "a b",
+            "é",
+            "a\0",
+            &"x".repeat(65),
+        ] {
+            let e = check_id(bad).expect_err(bad);
+            assert_eq!(e.field(), "id");
+            assert!(e.to_string().starts_with("id: "), "{e}");
+        }
+    }
+
+    #[test]
+    fn defaults_are_filled_in() {
+        let tmp = Tmp::new("defaults");
+        let (spec, _) = check_add(&request(&tmp), &ctx(&tmp)).unwrap();
+        assert_eq!(spec.num_queues, 1);
+        assert_eq!(spec.queue_size, 256);
+        assert_eq!(spec.block_size, 512);
+        assert_eq!(spec.iothreads, 1);
+        assert_eq!(spec.cache, Cache::Direct);
+        assert_eq!(spec.vhost_socket, tmp.0.join("disks/disk0.sock"));
+    }
+
+    #[test]
+    fn ranges() {
+        let tmp = Tmp::new("ranges");
+        let c = ctx(&tmp);
+        let base = request(&tmp);
+        let with = |f: &dyn Fn(&mut AddDiskRequest)| {
+            let mut r = base.clone();
+            f(&mut r);
+            check_add(&r, &c)
+        };
+        assert_eq!(field_of(with(&|r| r.num_queues = 257)), "num_queues");
+        assert_eq!(field_of(with(&|r| r.queue_size = 3)), "queue_size");
+        assert_eq!(field_of(with(&|r| r.queue_size = 65536)), "queue_size");
+        assert_eq!(field_of(with(&|r| r.queue_size = 1)), "queue_size");
+        assert_eq!(field_of(with(&|r| r.block_size = 1024)), "block_size");
+        assert_eq!(field_of(with(&|r| r.iothreads = 2)), "iothreads");
+        assert_eq!(
+            field_of(with(&|r| {
+                r.num_queues = 128;
+                r.iothreads = 65
+            })),
+            "iothreads"
+        );
+        assert_eq!(field_of(with(&|r| r.cache = 17)), "cache");
+        assert_eq!(field_of(with(&|r| r.serial = "x".repeat(21))), "serial");
+        assert_eq!(field_of(with(&|r| r.serial = "a\nb".into())), "serial");
+        assert_eq!(
+            field_of(with(&|r| r.iothread_cpus = "x".into())),
+            "iothread_cpus"
+        );
+        assert_eq!(
+            field_of(with(&|r| r.iothread_cpus = "3-1".into())),
+            "iothread_cpus"
+        );
+        assert_eq!(
+            field_of(with(&|r| r.iothread_cpus = "100000".into())),
+            "iothread_cpus"
+        );
+        let ok = with(&|r| {
+            r.num_queues = 256;
+            r.queue_size = 32768;
+            r.block_size = 4096;
+            r.iothreads = 64;
+            r.cache = CacheMode::Writethrough as i32;
+            r.serial = "S".repeat(20);
+            r.iothread_cpus = "0".into();
+        })
+        .unwrap()
+        .0;
+        assert_eq!(
+            (ok.num_queues, ok.queue_size, ok.iothreads),
+            (256, 32768, 64)
+        );
+    }
+
+    #[test]
+    fn images() {
+        let tmp = Tmp::new("images");
+        let c = ctx(&tmp);
+        let base = request(&tmp);
+        let mut r = base.clone();
+        r.image = tmp.0.join("missing.img").to_str().unwrap().into();
+        assert!(matches!(
+            check_add(&r, &c),
+            Err(ValidationError::NotFound { field: "image", .. })
+        ));
+        r.image = tmp.0.to_str().unwrap().into();
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+        r.image = "disk.img".into();
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+        r.image = String::new();
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+        let tiny = tmp.0.join("tiny.img");
+        std::fs::File::create(&tiny).unwrap().set_len(100).unwrap();
+        r.image = tiny.to_str().unwrap().into();
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+        // A symlink reaches the same identity as the file itself.
+        let link = tmp.0.join("link.img");
+        std::os::unix::fs::symlink(&base.image, &link).unwrap();
+        assert_eq!(
+            image_identity(&link),
+            image_identity(Path::new(&base.image))
+        );
+    }
+
+    #[test]
+    fn sockets() {
+        let tmp = Tmp::new("sockets");
+        let c = ctx(&tmp);
+        let base = request(&tmp);
+        let with_socket = |s: &str| {
+            let mut r = base.clone();
+            r.vhost_socket = s.into();
+            check_add(&r, &c)
+        };
+        let root = tmp.0.to_str().unwrap().to_string();
+        assert_eq!(
+            field_of(with_socket(&format!("{root}/disks/../x.sock"))),
+            "vhost_socket"
+        );
+        assert_eq!(field_of(with_socket("../x.sock")), "vhost_socket");
+        assert_eq!(field_of(with_socket("sub/../../x.sock")), "vhost_socket");
+        assert_eq!(
+            field_of(with_socket(&format!("{root}/nodir/x.sock"))),
+            "vhost_socket"
+        );
+        assert_eq!(
+            field_of(with_socket(&format!("{root}/{}", "s".repeat(120)))),
+            "vhost_socket"
+        );
+        // An existing regular file would be unlinked by the frontend.
+        assert_eq!(field_of(with_socket(&base.image)), "vhost_socket");
+        // A live listener belongs to someone else.
+        let live = tmp.0.join("live.sock");
+        let _listener = UnixListener::bind(&live).unwrap();
+        assert!(matches!(
+            with_socket(live.to_str().unwrap()),
+            Err(ValidationError::AlreadyExists {
+                field: "vhost_socket",
+                ..
+            })
+        ));
+        // A stale socket is fine (the frontend replaces it).
+        let stale = tmp.0.join("stale.sock");
+        drop(UnixListener::bind(&stale).unwrap());
+        assert_eq!(
+            with_socket(stale.to_str().unwrap()).unwrap().0.vhost_socket,
+            stale
+        );
+        // Relative: under the disks dir; `.` components are dropped.
+        assert_eq!(
+            with_socket("./vm1.sock").unwrap().0.vhost_socket,
+            tmp.0.join("disks/vm1.sock")
+        );
+        assert_eq!(
+            with_socket(&format!("{root}//./x.sock"))
+                .unwrap()
+                .0
+                .vhost_socket,
+            tmp.0.join("x.sock")
+        );
+    }
+
+    #[test]
+    fn allowed_socket_dirs() {
+        let tmp = Tmp::new("allowed");
+        let mut c = ctx(&tmp);
+        let allowed = tmp.0.join("vms");
+        let other = tmp.0.join("other");
+        std::fs::create_dir_all(&allowed).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        c.socket_dirs = vec![allowed.clone()];
+        let mut r = request(&tmp);
+        r.vhost_socket = other.join("x.sock").to_str().unwrap().into();
+        assert_eq!(field_of(check_add(&r, &c)), "vhost_socket");
+        // A symlink inside the allowed dir that points outside does not get out.
+        std::os::unix::fs::symlink(&other, allowed.join("escape")).unwrap();
+        r.vhost_socket = allowed.join("escape/x.sock").to_str().unwrap().into();
+        assert_eq!(field_of(check_add(&r, &c)), "vhost_socket");
+        r.vhost_socket = allowed.join("x.sock").to_str().unwrap().into();
+        assert!(check_add(&r, &c).is_ok());
+        r.vhost_socket = String::new();
+        assert!(check_add(&r, &c).is_ok());
+    }
+
+    #[test]
+    fn allowed_image_dirs() {
+        let tmp = Tmp::new("imgdirs");
+        let mut c = ctx(&tmp);
+        let allowed = tmp.0.join("images");
+        std::fs::create_dir_all(&allowed).unwrap();
+        c.image_dirs = vec![allowed.clone()];
+        let mut r = request(&tmp);
+        // disk.img is in the temp dir itself, outside images/.
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+        let inside = allowed.join("a.img");
+        std::fs::File::create(&inside)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        r.image = inside.to_str().unwrap().into();
+        assert!(check_add(&r, &c).is_ok());
+        // Neither '..' nor a symlink leads out.
+        r.image = format!("{}/../disk.img", allowed.display());
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+        std::os::unix::fs::symlink(tmp.0.join("disk.img"), allowed.join("link.img")).unwrap();
+        r.image = allowed.join("link.img").to_str().unwrap().into();
+        assert_eq!(field_of(check_add(&r, &c)), "image");
+    }
+
+    #[test]
+    fn long_id_for_runtime_dir() {
+        let tmp = Tmp::new("longid");
+        let mut c = ctx(&tmp);
+        c.disks_dir = PathBuf::from(format!("/{}", "d".repeat(60)));
+        let mut r = request(&tmp);
+        r.id = "x".repeat(60);
+        assert_eq!(field_of(check_add(&r, &c)), "id");
+    }
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0-1,3"), Ok(vec![0, 1, 3]));
+        assert_eq!(parse_cpu_list("3, 1-2 ,1"), Ok(vec![1, 2, 3]));
+        assert!(parse_cpu_list("").is_err());
+        assert!(parse_cpu_list("1-").is_err());
+        assert!(parse_cpu_list("-1").is_err());
+        assert!(parse_cpu_list("2-1").is_err());
+        assert!(parse_cpu_list("1,,2").is_err());
+    }
+
+    #[test]
+    fn new_sizes() {
+        assert_eq!(check_new_size(4096, 512), Ok(()));
+        assert_eq!(
+            check_new_size(0, 512).unwrap_err().field(),
+            "new_size_bytes"
+        );
+        assert_eq!(
+            check_new_size(4096 + 512, 4096).unwrap_err().field(),
+            "new_size_bytes"
+        );
+    }
+}

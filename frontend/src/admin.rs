@@ -1,0 +1,313 @@
+//! The admin channel: blkplaned's view into this frontend (status, statistics, resize), on the
+//! UNIX socket given by `--admin-socket`. Protocol in `proto/blkplane/v1/frontend.proto`.
+//!
+//! It runs on its own threads and only reads counters the workers keep, so nothing on this
+//! channel can slow down or block a request.
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use blkplane_proto::v1::{
+    frontend_request, frontend_response, DiskStats, FrontendRequest, FrontendResponse,
+    FrontendStatus, LatencyHistogram, QueueStats, QueueStatus, ResizeDone,
+};
+use log::{info, warn};
+use prost::Message;
+
+use crate::stats::{bucket_upper_bound_us, DeviceStatus};
+
+/// Largest frame accepted, in bytes.
+const MAX_FRAME: u32 = 1 << 20;
+/// A client that sends nothing for this long is dropped.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Grows the disk; implemented by the device (which owns the image and the VMM connection).
+pub trait Resize: Send + Sync {
+    /// Grows the disk to `new_size` bytes and tells the guest; returns what was done.
+    fn resize(&self, new_size: u64) -> Result<ResizeDone, String>;
+    /// The current capacity in bytes.
+    fn capacity_bytes(&self) -> u64;
+}
+
+/// Why the admin socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("admin socket {path}: {source}")]
+pub struct AdminError {
+    path: PathBuf,
+    source: io::Error,
+}
+
+/// Starts serving the admin channel on `path` (a stale socket file is replaced; mode 0600).
+pub fn serve(
+    path: &Path,
+    status: Arc<DeviceStatus>,
+    resize: Arc<dyn Resize>,
+) -> Result<(), AdminError> {
+    let error = |source| AdminError {
+        path: path.to_owned(),
+        source,
+    };
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(error(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(error)?;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(error)?;
+    std::thread::Builder::new()
+        .name("admin".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                match stream {
+                    Ok(stream) => {
+                        let status = Arc::clone(&status);
+                        let resize = Arc::clone(&resize);
+                        let spawned = std::thread::Builder::new()
+                            .name("admin-conn".into())
+                            .spawn(move || serve_connection(stream, &status, resize.as_ref()));
+                        if let Err(e) = spawned {
+                            warn!("admin: cannot start a connection thread: {e}");
+                        }
+                    }
+                    Err(e) => warn!("admin: accept: {e}"),
+                }
+            }
+        })
+        .map_err(error)?;
+    info!("admin channel on {}", path.display());
+    Ok(())
+}
+
+fn serve_connection(mut stream: UnixStream, status: &DeviceStatus, resize: &dyn Resize) {
+    let _ = stream.set_read_timeout(Some(IDLE_TIMEOUT));
+    loop {
+        let request = match read_frame(&mut stream) {
+            Ok(Some(bytes)) => FrontendRequest::decode(bytes.as_slice()),
+            Ok(None) => return,
+            Err(e) => {
+                warn!("admin: {e}");
+                return;
+            }
+        };
+        let response = match request {
+            Ok(request) => answer(request, status, resize),
+            Err(e) => frontend_response::Response::Error(format!("undecodable request: {e}")),
+        };
+        let frame = FrontendResponse {
+            response: Some(response),
+        }
+        .encode_to_vec();
+        if let Err(e) = write_frame(&mut stream, &frame) {
+            warn!("admin: {e}");
+            return;
+        }
+    }
+}
+
+/// Reads one length-prefixed frame; `None` at a clean end of stream.
+pub fn read_frame(stream: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
+    let mut len = [0u8; 4];
+    match stream.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = u32::from_le_bytes(len);
+    if len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds {MAX_FRAME}"),
+        ));
+    }
+    let mut buf = vec![0u8; len as usize];
+    stream.read_exact(&mut buf)?;
+    Ok(Some(buf))
+}
+
+/// Writes one length-prefixed frame.
+pub fn write_frame(stream: &mut impl Write, frame: &[u8]) -> io::Result<()> {
+    let len = u32::try_from(frame.len())
+        .ok()
+        .filter(|&l| l <= MAX_FRAME)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
+    stream.write_all(&len.to_le_bytes())?;
+    stream.write_all(frame)?;
+    stream.flush()
+}
+
+fn answer(
+    request: FrontendRequest,
+    status: &DeviceStatus,
+    resize: &dyn Resize,
+) -> frontend_response::Response {
+    use frontend_response::Response;
+    match request.request {
+        Some(frontend_request::Request::Status(_)) => {
+            Response::Status(device_status(status, resize.capacity_bytes()))
+        }
+        Some(frontend_request::Request::Stats(_)) => Response::Stats(disk_stats(status)),
+        Some(frontend_request::Request::Resize(r)) => match resize.resize(r.new_size_bytes) {
+            Ok(done) => Response::Resized(done),
+            Err(e) => Response::Error(e),
+        },
+        None => Response::Error("empty request".into()),
+    }
+}
+
+/// The status as reported on the admin channel.
+pub fn device_status(status: &DeviceStatus, capacity_bytes: u64) -> FrontendStatus {
+    FrontendStatus {
+        vmm_connected: status.vmm_connected.load(Ordering::Relaxed),
+        acked_features: status.acked_features.load(Ordering::Relaxed),
+        acked_protocol_features: status.acked_protocol_features.load(Ordering::Relaxed),
+        capacity_bytes,
+        iothread_pids: status
+            .iothreads
+            .iter()
+            .map(|t| t.pid.load(Ordering::Relaxed))
+            .collect(),
+        iothread_restarts: status
+            .iothreads
+            .iter()
+            .map(|t| t.restarts.load(Ordering::Relaxed))
+            .sum(),
+        queues: status
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(index, q)| QueueStatus {
+                index: index as u32,
+                running: q.running.load(Ordering::Relaxed),
+                broken: q.broken.load(Ordering::Relaxed),
+            })
+            .collect(),
+        pid: std::process::id(),
+    }
+}
+
+/// The counters as reported on the admin channel.
+pub fn disk_stats(status: &DeviceStatus) -> DiskStats {
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    DiskStats {
+        queues: status
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(index, q)| QueueStats {
+                index: index as u32,
+                read_ops: get(&q.read_ops),
+                read_bytes: get(&q.read_bytes),
+                write_ops: get(&q.write_ops),
+                write_bytes: get(&q.write_bytes),
+                flush_ops: get(&q.flush_ops),
+                discard_ops: get(&q.discard_ops),
+                discard_bytes: get(&q.discard_bytes),
+                write_zeroes_ops: get(&q.write_zeroes_ops),
+                write_zeroes_bytes: get(&q.write_zeroes_bytes),
+                other_ops: get(&q.other_ops),
+                errors: get(&q.errors),
+                rejected: get(&q.rejected),
+                in_flight: get(&q.in_flight),
+                latency: Some(LatencyHistogram {
+                    upper_bounds_us: (0..q.latency.len()).map(bucket_upper_bound_us).collect(),
+                    counts: q.latency.iter().map(get).collect(),
+                }),
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkplane_proto::v1::{ResizeRequest, StatsRequest, StatusRequest};
+
+    struct FixedSize;
+
+    impl Resize for FixedSize {
+        fn resize(&self, new_size: u64) -> Result<ResizeDone, String> {
+            if new_size < 4096 {
+                return Err("shrinking is refused".into());
+            }
+            Ok(ResizeDone {
+                capacity_bytes: new_size,
+                guest_notified: false,
+            })
+        }
+
+        fn capacity_bytes(&self) -> u64 {
+            4096
+        }
+    }
+
+    fn call(
+        stream: &mut UnixStream,
+        request: frontend_request::Request,
+    ) -> frontend_response::Response {
+        let frame = FrontendRequest {
+            request: Some(request),
+        }
+        .encode_to_vec();
+        write_frame(stream, &frame).unwrap();
+        let reply = read_frame(stream).unwrap().unwrap();
+        FrontendResponse::decode(reply.as_slice())
+            .unwrap()
+            .response
+            .unwrap()
+    }
+
+    #[test]
+    fn answers_status_stats_and_resize_over_a_real_socket() {
+        let dir = std::env::temp_dir().join(format!("blkplane-admin-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("admin.sock");
+        let status = Arc::new(DeviceStatus::new(2, 1));
+        status.vmm_connected.store(true, Ordering::Relaxed);
+        status.queues[1].read_ops.store(7, Ordering::Relaxed);
+        serve(&path, Arc::clone(&status), Arc::new(FixedSize)).unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let mut stream = UnixStream::connect(&path).unwrap();
+        match call(
+            &mut stream,
+            frontend_request::Request::Status(StatusRequest {}),
+        ) {
+            frontend_response::Response::Status(s) => {
+                assert!(s.vmm_connected);
+                assert_eq!(s.capacity_bytes, 4096);
+                assert_eq!(s.queues.len(), 2);
+                assert_eq!(s.pid, std::process::id());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match call(
+            &mut stream,
+            frontend_request::Request::Stats(StatsRequest {}),
+        ) {
+            frontend_response::Response::Stats(s) => {
+                assert_eq!(s.queues[1].read_ops, 7);
+                let latency = s.queues[0].latency.clone().unwrap();
+                assert_eq!(latency.counts.len(), latency.upper_bounds_us.len());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let shrink = ResizeRequest {
+            new_size_bytes: 512,
+        };
+        assert!(matches!(
+            call(&mut stream, frontend_request::Request::Resize(shrink)),
+            frontend_response::Response::Error(_)
+        ));
+        // A frame over the limit closes the connection instead of allocating it.
+        stream.write_all(&(MAX_FRAME + 1).to_le_bytes()).unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(stream.read_to_end(&mut rest).unwrap(), 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

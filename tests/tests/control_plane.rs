@@ -1,0 +1,1310 @@
+//! The control plane end to end, with real processes and real gRPC: `blkplaned` started here,
+//! driven with `blkplanectl` (whose JSON output is read back), disks served by real frontends
+//! and exercised with libblkio.
+//!
+//! - three disks added, verified I/O on all three; one removed while the other two keep going
+//!   without a single error;
+//! - blkplaned killed with SIGKILL during I/O (the I/O goes on), restarted: same disks, same
+//!   frontend pids;
+//! - a frontend killed with SIGKILL: restarted on the same socket, a new client verifies the
+//!   data;
+//! - a disk resized, the new capacity seen by a new client;
+//! - a crash loop marks a disk failed;
+//! - every kind of bad input refused with its status code and the field's name, leaving no
+//!   process, socket or state entry behind.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use blkplane_tests::client::{check_fresh_connection, errno_name};
+use blkplane_tests::*;
+
+const MIB: u64 = 1 << 20;
+/// Bytes per request of the background I/O.
+const CHUNK: usize = 64 * 1024;
+/// Chunks per round of the background I/O (it covers CHUNK × CHUNKS bytes of the disk).
+const CHUNKS: u64 = 64;
+/// Bound of every wait on the control plane.
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// A minimal JSON reader for blkplanectl's output (this crate has no JSON dependency).
+
+/// A parsed JSON value. Numbers keep their text so that u64 values stay exact.
+#[derive(Debug, Clone, PartialEq)]
+enum Json {
+    Null,
+    Bool(bool),
+    Num(String),
+    Str(String),
+    Arr(Vec<Json>),
+    Obj(BTreeMap<String, Json>),
+}
+
+impl Json {
+    fn parse(text: &str) -> Json {
+        let mut p = JsonParser {
+            s: text.as_bytes(),
+            i: 0,
+        };
+        let v = p.value();
+        p.ws();
+        assert_eq!(p.i, p.s.len(), "trailing characters in JSON: {text}");
+        v
+    }
+
+    /// The member `key` of an object (panics if absent: a missing field is a test failure).
+    #[track_caller]
+    fn get(&self, key: &str) -> &Json {
+        match self {
+            Json::Obj(m) => m
+                .get(key)
+                .unwrap_or_else(|| panic!("no {key:?} in {self:?}")),
+            _ => panic!("{self:?} is not an object (looking for {key:?})"),
+        }
+    }
+
+    #[track_caller]
+    fn u64(&self) -> u64 {
+        match self {
+            Json::Num(n) => n.parse().unwrap_or_else(|_| panic!("{n} is not a u64")),
+            _ => panic!("{self:?} is not a number"),
+        }
+    }
+
+    #[track_caller]
+    fn str(&self) -> &str {
+        match self {
+            Json::Str(s) => s,
+            _ => panic!("{self:?} is not a string"),
+        }
+    }
+
+    #[track_caller]
+    fn bool(&self) -> bool {
+        match self {
+            Json::Bool(b) => *b,
+            _ => panic!("{self:?} is not a bool"),
+        }
+    }
+
+    #[track_caller]
+    fn arr(&self) -> &[Json] {
+        match self {
+            Json::Arr(v) => v,
+            _ => panic!("{self:?} is not an array"),
+        }
+    }
+}
+
+struct JsonParser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl JsonParser<'_> {
+    fn ws(&mut self) {
+        while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) {
+        self.ws();
+        assert_eq!(
+            self.s.get(self.i),
+            Some(&c),
+            "JSON: expected {:?}",
+            c as char
+        );
+        self.i += 1;
+    }
+
+    fn value(&mut self) -> Json {
+        self.ws();
+        match self.s.get(self.i) {
+            Some(b'{') => {
+                self.i += 1;
+                let mut m = BTreeMap::new();
+                self.ws();
+                if self.s.get(self.i) == Some(&b'}') {
+                    self.i += 1;
+                    return Json::Obj(m);
+                }
+                loop {
+                    self.ws();
+                    let Json::Str(k) = self.value() else {
+                        panic!("JSON: object key is not a string")
+                    };
+                    self.eat(b':');
+                    let v = self.value();
+                    m.insert(k, v);
+                    self.ws();
+                    match self.s.get(self.i) {
+                        Some(b',') => self.i += 1,
+                        Some(b'}') => {
+                            self.i += 1;
+                            return Json::Obj(m);
+                        }
+                        other => panic!("JSON: unexpected {other:?} in object"),
+                    }
+                }
+            }
+            Some(b'[') => {
+                self.i += 1;
+                let mut v = Vec::new();
+                self.ws();
+                if self.s.get(self.i) == Some(&b']') {
+                    self.i += 1;
+                    return Json::Arr(v);
+                }
+                loop {
+                    v.push(self.value());
+                    self.ws();
+                    match self.s.get(self.i) {
+                        Some(b',') => self.i += 1,
+                        Some(b']') => {
+                            self.i += 1;
+                            return Json::Arr(v);
+                        }
+                        other => panic!("JSON: unexpected {other:?} in array"),
+                    }
+                }
+            }
+            Some(b'"') => {
+                self.i += 1;
+                let mut out = String::new();
+                loop {
+                    let c = self.s[self.i];
+                    self.i += 1;
+                    match c {
+                        b'"' => return Json::Str(out),
+                        b'\\' => {
+                            let e = self.s[self.i];
+                            self.i += 1;
+                            match e {
+                                b'n' => out.push('\n'),
+                                b't' => out.push('\t'),
+                                b'r' => out.push('\r'),
+                                b'b' => out.push('\u{8}'),
+                                b'f' => out.push('\u{c}'),
+                                b'u' => {
+                                    let hex =
+                                        std::str::from_utf8(&self.s[self.i..self.i + 4]).unwrap();
+                                    self.i += 4;
+                                    let cp = u32::from_str_radix(hex, 16).unwrap();
+                                    out.push(char::from_u32(cp).unwrap_or('\u{fffd}'));
+                                }
+                                other => out.push(other as char),
+                            }
+                        }
+                        _ => {
+                            // Copy a whole UTF-8 sequence.
+                            let start = self.i - 1;
+                            let mut end = self.i;
+                            while end < self.s.len() && (self.s[end] & 0xC0) == 0x80 {
+                                end += 1;
+                            }
+                            out.push_str(std::str::from_utf8(&self.s[start..end]).unwrap());
+                            self.i = end;
+                        }
+                    }
+                }
+            }
+            Some(b't') => {
+                self.i += 4;
+                Json::Bool(true)
+            }
+            Some(b'f') => {
+                self.i += 5;
+                Json::Bool(false)
+            }
+            Some(b'n') => {
+                self.i += 4;
+                Json::Null
+            }
+            Some(_) => {
+                let start = self.i;
+                while self.i < self.s.len()
+                    && matches!(
+                        self.s[self.i],
+                        b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'
+                    )
+                {
+                    self.i += 1;
+                }
+                assert!(self.i > start, "JSON: unexpected character at {start}");
+                Json::Num(String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
+            }
+            None => panic!("JSON: unexpected end"),
+        }
+    }
+}
+
+#[test]
+fn json_reader() {
+    let v = Json::parse(
+        r#"{"a": [1, 18446744073709551615, -2.5e3], "b": {"c": "x\"\u00e9y"}, "d": true, "e": null}"#,
+    );
+    assert_eq!(v.get("a").arr()[1].u64(), u64::MAX);
+    assert_eq!(v.get("b").get("c").str(), "x\"éy");
+    assert!(v.get("d").bool());
+    assert_eq!(*v.get("e"), Json::Null);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes.
+
+/// The state letter of `pid` (None when it is gone).
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.rfind(')')?;
+    stat[close + 1..].split_whitespace().next()?.chars().next()
+}
+
+/// Whether `pid` is a live process (not a zombie).
+fn alive(pid: u32) -> bool {
+    proc_state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X' | 'x'))
+}
+
+fn cmdline(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Live processes with an argument starting with `prefix`.
+fn processes_with_arg_prefix(prefix: &str) -> Vec<u32> {
+    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|&pid| alive(pid) && cmdline(pid).iter().any(|a| a.starts_with(prefix)))
+                .collect()
+        })
+        .unwrap_or_default();
+    pids.sort_unstable();
+    pids
+}
+
+fn kill(pid: u32, signal: i32) {
+    // SAFETY: plain syscall; callers only name processes this test started (directly or
+    // through blkplaned), checked by command line just before.
+    unsafe { libc::kill(pid as libc::pid_t, signal) };
+}
+
+/// What one blkplanectl run produced.
+#[derive(Debug)]
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// A `blkplaned` on a private state and runtime directory, killed (with every frontend it
+/// started) on drop. Its log is printed when the test fails.
+struct Daemon {
+    child: Option<Child>,
+    state_dir: PathBuf,
+    run_dir: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    args: Vec<String>,
+    // Last: the directory goes after everything in it was stopped.
+    _dir: TempDir,
+}
+
+impl Daemon {
+    fn start(tag: &str, extra: &[&str]) -> Daemon {
+        let dir = TempDir::new(tag);
+        let state_dir = dir.join("state");
+        let run_dir = dir.join("run");
+        let socket = run_dir.join("control.sock");
+        let mut args: Vec<String> = vec![
+            "--state-dir".into(),
+            state_dir.to_str().unwrap().into(),
+            "--runtime-dir".into(),
+            run_dir.to_str().unwrap().into(),
+            // Fast polls so that connects and disconnects show up quickly.
+            "--poll-interval-ms".into(),
+            "100".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut d = Daemon {
+            child: None,
+            log: dir.join("blkplaned.log"),
+            state_dir,
+            run_dir,
+            socket,
+            args,
+            _dir: dir,
+        };
+        d.spawn();
+        d
+    }
+
+    /// Starts blkplaned (again) with the same arguments and waits until its API answers.
+    fn spawn(&mut self) {
+        assert!(self.child.is_none(), "blkplaned is already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let mut cmd = Command::new(&binaries().blkplaned);
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        self.child = Some(cmd.spawn().expect("spawning blkplaned"));
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("blkplaned exited at start: {status}\n{}", self.log_text());
+            }
+            if self.socket.exists() && self.ctl(&["disk", "list"]).code == Some(0) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "blkplaned did not answer within {TIMEOUT:?}\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("blkplaned is not running").id()
+    }
+
+    /// SIGKILL, like a crash: nothing is cleaned up.
+    fn kill9(&mut self) {
+        let mut child = self.child.take().expect("blkplaned is not running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    fn stop(&mut self) {
+        let mut child = self.child.take().expect("blkplaned is not running");
+        kill(child.id(), libc::SIGTERM);
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "blkplaned exited with {status} on SIGTERM"
+                );
+                return;
+            }
+            assert!(Instant::now() < deadline, "blkplaned ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read(&self.log)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn disks_dir(&self) -> PathBuf {
+        self.run_dir.join("disks")
+    }
+
+    /// Runs blkplanectl against this daemon.
+    fn ctl(&self, args: &[&str]) -> Out {
+        let out = Command::new(&binaries().blkplanectl)
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running blkplanectl");
+        Out {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Runs blkplanectl and expects success; returns stdout.
+    #[track_caller]
+    fn ctl_ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert_eq!(
+            out.code,
+            Some(0),
+            "blkplanectl {args:?} failed: {}{}",
+            out.stderr,
+            out.stdout
+        );
+        out.stdout
+    }
+
+    /// Runs blkplanectl with `-o json` and parses the answer.
+    #[track_caller]
+    fn ctl_json(&self, args: &[&str]) -> Json {
+        let mut all = vec!["-o", "json"];
+        all.extend_from_slice(args);
+        Json::parse(&self.ctl_ok(&all))
+    }
+
+    /// Runs blkplanectl expecting a refusal with `code` and a message naming `field`.
+    #[track_caller]
+    fn ctl_refused(&self, args: &[&str], code: &str, field: &str) -> String {
+        let out = self.ctl(args);
+        assert_eq!(
+            out.code,
+            Some(1),
+            "blkplanectl {args:?} should fail with {code}; stdout: {} stderr: {}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(&format!("{code}: ")),
+            "blkplanectl {args:?}: expected {code}, got: {}",
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(field),
+            "blkplanectl {args:?}: the message does not name {field:?}: {}",
+            out.stderr
+        );
+        out.stderr
+    }
+
+    #[track_caller]
+    fn disk(&self, id: &str) -> Json {
+        self.ctl_json(&["disk", "show", id])
+    }
+
+    /// Waits until `pred` holds for the disk's JSON; returns it.
+    #[track_caller]
+    fn wait_disk(&self, id: &str, what: &str, pred: impl Fn(&Json) -> bool) -> Json {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let d = self.disk(id);
+            if pred(&d) {
+                return d;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "disk {id}: not {what} within {TIMEOUT:?}: {d:?}\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Frontends serving this daemon's disks (by their admin socket's directory).
+    fn frontends(&self) -> Vec<u32> {
+        processes_with_arg_prefix(&format!("--admin-socket={}/", self.disks_dir().display()))
+    }
+
+    /// The disk ids in the persisted state, read from the file itself.
+    fn state_ids(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(self.state_dir.join("state.json")).unwrap_or_default();
+        if text.is_empty() {
+            return Vec::new();
+        }
+        Json::parse(&text)
+            .get("disks")
+            .arr()
+            .iter()
+            .map(|d| d.get("id").str().to_string())
+            .collect()
+    }
+
+    /// The names of the files in the runtime disks directory.
+    fn runtime_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.disks_dir())
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // The disks outlive blkplaned by design: stop them here. Their iothreads die with them.
+        for pid in self.frontends() {
+            kill(pid, libc::SIGKILL);
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "---- blkplaned log ----\n{}\n---- end of blkplaned log ----",
+                self.log_text()
+            );
+            if let Ok(dir) = std::fs::read_dir(self.disks_dir()) {
+                for e in dir.filter_map(|e| e.ok()) {
+                    let p = e.path();
+                    if p.extension().is_some_and(|x| x == "log") {
+                        eprintln!(
+                            "---- {} ----\n{}",
+                            p.display(),
+                            String::from_utf8_lossy(&std::fs::read(&p).unwrap_or_default())
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `blkplanectl events -o json` running in the background, collecting events.
+struct Watcher {
+    child: Child,
+    events: Arc<Mutex<Vec<Json>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Watcher {
+    fn start(d: &Daemon) -> Watcher {
+        let mut child = Command::new(&binaries().blkplanectl)
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(["-o", "json", "events"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("running blkplanectl events");
+        let stdout = child.stdout.take().unwrap();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&events);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(Json::parse(&line));
+            }
+        });
+        // The stream starts when the call is made: give it a moment to be established.
+        std::thread::sleep(Duration::from_millis(300));
+        Watcher {
+            child,
+            events,
+            reader: Some(reader),
+        }
+    }
+
+    /// Waits until an event of `kind` for `disk` arrived; returns it.
+    #[track_caller]
+    fn wait(&self, kind: &str, disk: &str) -> Json {
+        wait_for(TIMEOUT, || {
+            self.events
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|e| e.get("kind").str() == kind && e.get("disk_id").str() == disk)
+                .cloned()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no {kind} event for {disk} within {TIMEOUT:?}; got {:?}",
+                self.events.lock().unwrap()
+            )
+        })
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Background I/O.
+
+/// A thread doing write + read-back rounds over the first CHUNK × CHUNKS bytes of a disk
+/// through its own libblkio connection, until stopped.
+struct IoLoad {
+    stop: Arc<AtomicBool>,
+    ops: Arc<AtomicU64>,
+    error: Arc<Mutex<Option<String>>>,
+    handle: Option<JoinHandle<Result<u64, String>>>,
+}
+
+/// The seed of chunk `chunk` in round `round` of disk `disk`.
+fn seed(disk: u64, round: u64, chunk: u64) -> u64 {
+    (disk << 48) | (round << 16) | chunk
+}
+
+/// The rounds of [`IoLoad`]; returns the last round whose every chunk was written and verified.
+fn io_rounds(socket: &Path, disk: u64, stop: &AtomicBool, ops: &AtomicU64) -> Result<u64, String> {
+    let mut c =
+        Client::connect(socket).map_err(|e| format!("connect to {}: {e}", socket.display()))?;
+    let q = c.queue(0);
+    let mut done_round = 0;
+    for round in 1.. {
+        for chunk in 0..CHUNKS {
+            let offset = chunk * CHUNK as u64;
+            let data = pattern(seed(disk, round, chunk), CHUNK);
+            q.write_at(offset, &data)
+                .map_err(|e| format!("round {round} write at {offset}: {}", errno_name(e)))?;
+            let back = q
+                .read_at(offset, CHUNK)
+                .map_err(|e| format!("round {round} read at {offset}: {}", errno_name(e)))?;
+            if back != data {
+                return Err(format!("round {round}: wrong data at {offset}"));
+            }
+            ops.fetch_add(2, Ordering::SeqCst);
+        }
+        done_round = round;
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+    }
+    Ok(done_round)
+}
+
+impl IoLoad {
+    fn start(socket: &Path, disk: u64) -> IoLoad {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ops = Arc::new(AtomicU64::new(0));
+        let error = Arc::new(Mutex::new(None));
+        let (s, o, e) = (Arc::clone(&stop), Arc::clone(&ops), Arc::clone(&error));
+        let socket = socket.to_path_buf();
+        let handle = std::thread::spawn(move || {
+            let r = io_rounds(&socket, disk, &s, &o);
+            if let Err(msg) = &r {
+                *e.lock().unwrap() = Some(msg.clone());
+            }
+            r
+        });
+        IoLoad {
+            stop,
+            ops,
+            error,
+            handle: Some(handle),
+        }
+    }
+
+    fn ops(&self) -> u64 {
+        self.ops.load(Ordering::SeqCst)
+    }
+
+    /// Waits until at least `n` more requests completed than now (bounded); panics with the
+    /// I/O error if the I/O failed.
+    #[track_caller]
+    fn wait_progress(&self, n: u64, what: &str) {
+        let target = self.ops() + n;
+        let ok = wait_for(TIMEOUT, || {
+            (self.ops() >= target || self.error.lock().unwrap().is_some()).then_some(())
+        })
+        .is_some();
+        if let Some(e) = self.error.lock().unwrap().as_ref() {
+            panic!("I/O ({what}) failed: {e}");
+        }
+        assert!(ok, "I/O ({what}) made no progress within {TIMEOUT:?}");
+    }
+
+    /// Stops after the current round; returns the last completed round, or the first error.
+    fn finish(mut self) -> Result<u64, String> {
+        self.stop.store(true, Ordering::SeqCst);
+        match self.handle.take().map(JoinHandle::join) {
+            Some(Ok(r)) => r,
+            _ => Err("the I/O thread panicked".into()),
+        }
+    }
+}
+
+impl Drop for IoLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Reads the disk through a new connection and checks it holds round `round` of `disk`.
+#[track_caller]
+fn verify_round(socket: &Path, disk: u64, round: u64) {
+    let mut c = Client::connect(socket).unwrap_or_else(|e| panic!("connect: {e}"));
+    let q = c.queue(0);
+    for chunk in 0..CHUNKS {
+        let offset = chunk * CHUNK as u64;
+        let back = q
+            .read_at(offset, CHUNK)
+            .unwrap_or_else(|e| panic!("read at {offset}: {}", errno_name(e)));
+        assert_same_data(
+            &format!("chunk {chunk} of round {round}"),
+            &back,
+            &pattern(seed(disk, round, chunk), CHUNK),
+        );
+    }
+}
+
+/// Adds a disk with blkplanectl and returns its JSON.
+#[track_caller]
+fn add_disk(d: &Daemon, id: &str, image: &Path, extra: &[&str]) -> Json {
+    let mut args = vec!["disk", "add", id, "--image", image.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let mut all = vec!["-o", "json"];
+    all.extend_from_slice(&args);
+    Json::parse(&d.ctl_ok(&all))
+}
+
+fn socket_of(disk: &Json) -> PathBuf {
+    PathBuf::from(disk.get("config").get("vhost_socket").str())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests.
+
+/// The whole life of three disks: add, I/O, remove one under load of the others, blkplaned
+/// SIGKILLed and re-adopting, a frontend SIGKILLed and restarted, a resize, a forced removal.
+#[test]
+fn three_disks_through_crashes_and_restarts() {
+    let mut d = Daemon::start("cp", &[]);
+    let images = TempDir::new("cpimg");
+    let watcher = Watcher::start(&d);
+
+    // Three disks; the first with two queues and two iothreads pinned to CPU 0, the last with
+    // 4 KiB blocks.
+    let img: Vec<PathBuf> = (0..3)
+        .map(|i| create_image(&images.join(&format!("d{i}.img")), 32 * MIB))
+        .collect();
+    let d0 = add_disk(
+        &d,
+        "d0",
+        &img[0],
+        &[
+            "--num-queues",
+            "2",
+            "--iothreads",
+            "2",
+            "--iothread-cpus",
+            "0",
+        ],
+    );
+    let d1 = add_disk(&d, "d1", &img[1], &["--serial", "SERIAL-1"]);
+    let d2 = add_disk(&d, "d2", &img[2], &["--block-size", "4096"]);
+    for (disk, id) in [(&d0, "d0"), (&d1, "d1"), (&d2, "d2")] {
+        assert_eq!(disk.get("id").str(), id);
+        assert_eq!(disk.get("state").str(), "ready", "{disk:?}");
+        assert!(disk.get("frontend_pid").u64() > 0);
+        assert_eq!(disk.get("capacity_bytes").u64(), 32 * MIB);
+        assert_eq!(
+            socket_of(disk),
+            d.disks_dir().join(format!("{id}.sock")),
+            "default vhost-user socket"
+        );
+        watcher.wait("added", id);
+    }
+    assert_eq!(d0.get("iothread_pids").arr().len(), 2);
+    assert_eq!(d0.get("config").get("iothread_cpus").str(), "0");
+    for pid in d0.get("iothread_pids").arr() {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", pid.u64())).unwrap();
+        let cpus = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .map(str::trim);
+        assert_eq!(
+            cpus,
+            Some("0"),
+            "iothread {} of d0 is not pinned",
+            pid.u64()
+        );
+    }
+    assert_eq!(d.state_ids(), ["d0", "d1", "d2"]);
+    let listed = d.ctl_json(&["disk", "list"]);
+    assert_eq!(listed.arr().len(), 3);
+
+    // Verified I/O on all three.
+    let sockets: Vec<PathBuf> = [&d0, &d1, &d2].iter().map(|j| socket_of(j)).collect();
+    let load0 = IoLoad::start(&sockets[0], 0);
+    let load1 = IoLoad::start(&sockets[1], 1);
+    let load2 = IoLoad::start(&sockets[2], 2);
+    load0.wait_progress(100, "d0");
+    load1.wait_progress(100, "d1");
+    load2.wait_progress(100, "d2");
+    for id in ["d0", "d1", "d2"] {
+        d.wait_disk(id, "connected", |j| j.get("vmm_connected").bool());
+        watcher.wait("connected", id);
+    }
+    let stats = d.ctl_json(&["stats", "d0"]);
+    assert!(
+        stats.arr()[0].get("total").get("write_ops").u64() > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.arr()[0].get("queues").arr().len(), 2);
+
+    // d2 is refused removal while its VMM is connected; once it left, it goes, while d0 and
+    // d1 keep doing I/O.
+    d.ctl_refused(&["disk", "remove", "d2"], "FAILED_PRECONDITION", "VMM");
+    let pid2 = d.disk("d2").get("frontend_pid").u64() as u32;
+    load2.finish().expect("I/O on d2");
+    d.wait_disk("d2", "disconnected", |j| !j.get("vmm_connected").bool());
+    watcher.wait("disconnected", "d2");
+    let before = (load0.ops(), load1.ops());
+    d.ctl_ok(&["disk", "remove", "d2"]);
+    watcher.wait("removed", "d2");
+    assert!(!alive(pid2), "d2's frontend {pid2} survived its removal");
+    assert!(!sockets[2].exists(), "d2's socket was left behind");
+    assert_eq!(d.state_ids(), ["d0", "d1"]);
+    assert!(
+        !d.runtime_files().iter().any(|f| f.starts_with("d2.")),
+        "{:?}",
+        d.runtime_files()
+    );
+    d.ctl_refused(&["disk", "show", "d2"], "NOT_FOUND", "d2");
+    load0.wait_progress(100, "d0 after removing d2");
+    load1.wait_progress(100, "d1 after removing d2");
+    assert!(load0.ops() > before.0 && load1.ops() > before.1);
+
+    // blkplaned SIGKILLed during I/O: the disks do not notice.
+    let pids: Vec<u64> = ["d0", "d1"]
+        .iter()
+        .map(|id| d.disk(id).get("frontend_pid").u64())
+        .collect();
+    drop(watcher);
+    d.kill9();
+    load0.wait_progress(100, "d0 without blkplaned");
+    load1.wait_progress(100, "d1 without blkplaned");
+    // Restarted: the same disks, served by the same processes, still connected.
+    d.spawn();
+    let watcher = Watcher::start(&d);
+    let listed = d.ctl_json(&["disk", "list"]);
+    let ids: Vec<&str> = listed.arr().iter().map(|j| j.get("id").str()).collect();
+    assert_eq!(ids, ["d0", "d1"]);
+    for (id, pid) in ["d0", "d1"].iter().zip(&pids) {
+        let j = d.wait_disk(id, "connected after the restart", |j| {
+            j.get("state").str() == "connected"
+        });
+        assert_eq!(
+            j.get("frontend_pid").u64(),
+            *pid,
+            "{id} was not adopted: {j:?}"
+        );
+        assert_eq!(j.get("restarts").u64(), 0);
+    }
+    load0.wait_progress(100, "d0 after the restart");
+    load1.wait_progress(100, "d1 after the restart");
+
+    // A frontend SIGKILLed: restarted on the same socket; a new client finds the data.
+    let round0 = load0.finish().expect("I/O on d0");
+    let round1 = load1.finish().expect("I/O on d1");
+    d.wait_disk("d0", "disconnected", |j| !j.get("vmm_connected").bool());
+    let old = pids[0] as u32;
+    assert!(cmdline(old)
+        .iter()
+        .any(|a| a.starts_with("--admin-socket=")));
+    kill(old, libc::SIGKILL);
+    let j = d.wait_disk("d0", "restarted", |j| {
+        j.get("state").str() == "ready" && j.get("frontend_pid").u64() as u32 != old
+    });
+    assert_eq!(j.get("restarts").u64(), 1, "{j:?}");
+    assert_eq!(socket_of(&j), sockets[0]);
+    watcher.wait("exited", "d0");
+    watcher.wait("restarted", "d0");
+    verify_round(&sockets[0], 0, round0);
+    check_fresh_connection(&sockets[0], 16 * MIB, 77);
+
+    // Grow d1 while nobody is connected; a new client sees the new size. Shrinking is refused.
+    let out = d.ctl_json(&["disk", "resize", "d1", "48M"]);
+    assert_eq!(out.get("capacity_bytes").u64(), 48 * MIB);
+    let resized = watcher.wait("resized", "d1");
+    assert!(resized
+        .get("message")
+        .str()
+        .contains(&(48 * MIB).to_string()));
+    d.ctl_refused(
+        &["disk", "resize", "d1", "32M"],
+        "FAILED_PRECONDITION",
+        "new_size_bytes",
+    );
+    d.ctl_refused(
+        &["disk", "resize", "d1", "50000001"],
+        "INVALID_ARGUMENT",
+        "new_size_bytes",
+    );
+    assert_eq!(d.disk("d1").get("capacity_bytes").u64(), 48 * MIB);
+    assert_eq!(std::fs::metadata(&img[1]).unwrap().len(), 48 * MIB);
+    let client = Client::connect(&sockets[1]).unwrap_or_else(|e| panic!("connect: {e}"));
+    assert_eq!(client.capacity(), 48 * MIB);
+    drop(client);
+    verify_round(&sockets[1], 1, round1);
+    check_fresh_connection(&sockets[1], 40 * MIB, 78);
+
+    // Forced removal while a VMM is connected.
+    let mut client = Client::connect(&sockets[1]).unwrap_or_else(|e| panic!("connect: {e}"));
+    client.queue(0).write_at(0, &pattern(5, 4096)).unwrap();
+    d.wait_disk("d1", "connected", |j| j.get("vmm_connected").bool());
+    d.ctl_refused(&["disk", "remove", "d1"], "FAILED_PRECONDITION", "d1");
+    d.ctl_ok(&["disk", "remove", "d1", "--force"]);
+    drop(client);
+    d.ctl_ok(&["disk", "remove", "d0"]);
+    assert!(d.state_ids().is_empty());
+    assert_eq!(d.frontends(), Vec::<u32>::new());
+    assert_eq!(d.runtime_files(), Vec::<String>::new());
+    drop(watcher);
+    d.stop();
+}
+
+/// Every kind of bad input is refused with its status code and a message naming the field,
+/// and leaves no process, socket, file or state entry behind.
+#[test]
+fn bad_input_is_refused_without_leftovers() {
+    let d = Daemon::start("cpbad", &[]);
+    let dir = TempDir::new("cpbadimg");
+    let good_img = create_image(&dir.join("good.img"), 8 * MIB);
+    let other_img = create_image(&dir.join("other.img"), 8 * MIB);
+    let tiny_img = create_image(&dir.join("tiny.img"), 100);
+    let link = dir.join("link.img");
+    std::os::unix::fs::symlink(&good_img, &link).unwrap();
+    let good = add_disk(&d, "good", &good_img, &[]);
+    let good_socket = socket_of(&good);
+    let good_pid = good.get("frontend_pid").u64() as u32;
+
+    let other = other_img.to_str().unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let long_id = "x".repeat(65);
+    let missing = s(&dir.join("missing.img"));
+    let dirpath = s(dir.path());
+    let tiny = s(&tiny_img);
+    let goodp = s(&good_img);
+    let linkp = s(&link);
+    let good_sock = s(&good_socket);
+    let traversal = format!(
+        "{}/../{}/t.sock",
+        dirpath,
+        dir.path().file_name().unwrap().to_str().unwrap()
+    );
+    let nodir = s(&dir.join("nodir/x.sock"));
+    let long_sock = format!("{}/{}.sock", dirpath, "s".repeat(110));
+    let state_file = s(&d.state_dir.join("state.json"));
+    let cases: Vec<(Vec<&str>, &str, &str)> = vec![
+        (vec!["bad/id", "--image", other], "INVALID_ARGUMENT", "id"),
+        (vec![".hidden", "--image", other], "INVALID_ARGUMENT", "id"),
+        (vec![&long_id, "--image", other], "INVALID_ARGUMENT", "id"),
+        (vec!["good", "--image", other], "ALREADY_EXISTS", "id"),
+        (vec!["n1", "--image", &missing], "NOT_FOUND", "image"),
+        (vec!["n2", "--image", &dirpath], "INVALID_ARGUMENT", "image"),
+        (vec!["n3", "--image", &tiny], "INVALID_ARGUMENT", "image"),
+        (vec!["n4", "--image", &goodp], "ALREADY_EXISTS", "image"),
+        (vec!["n5", "--image", &linkp], "ALREADY_EXISTS", "image"),
+        (
+            vec!["n5b", "--image", &state_file],
+            "INVALID_ARGUMENT",
+            "image",
+        ),
+        (
+            vec!["n6", "--image", other, "--vhost-socket", &good_sock],
+            "ALREADY_EXISTS",
+            "vhost_socket",
+        ),
+        (
+            vec!["n7", "--image", other, "--vhost-socket", &traversal],
+            "INVALID_ARGUMENT",
+            "vhost_socket",
+        ),
+        (
+            vec!["n8", "--image", other, "--vhost-socket", other],
+            "INVALID_ARGUMENT",
+            "vhost_socket",
+        ),
+        (
+            vec!["n9", "--image", other, "--vhost-socket", &nodir],
+            "NOT_FOUND",
+            "vhost_socket",
+        ),
+        (
+            vec!["n10", "--image", other, "--vhost-socket", &long_sock],
+            "INVALID_ARGUMENT",
+            "vhost_socket",
+        ),
+        (
+            vec!["n11", "--image", other, "--num-queues", "257"],
+            "INVALID_ARGUMENT",
+            "num_queues",
+        ),
+        (
+            vec!["n12", "--image", other, "--queue-size", "3"],
+            "INVALID_ARGUMENT",
+            "queue_size",
+        ),
+        (
+            vec!["n13", "--image", other, "--queue-size", "65536"],
+            "INVALID_ARGUMENT",
+            "queue_size",
+        ),
+        (
+            vec!["n14", "--image", other, "--block-size", "1024"],
+            "INVALID_ARGUMENT",
+            "block_size",
+        ),
+        (
+            vec!["n15", "--image", other, "--iothreads", "2"],
+            "INVALID_ARGUMENT",
+            "iothreads",
+        ),
+        (
+            vec![
+                "n16",
+                "--image",
+                other,
+                "--num-queues",
+                "4",
+                "--iothreads",
+                "5",
+            ],
+            "INVALID_ARGUMENT",
+            "iothreads",
+        ),
+        (
+            vec!["n17", "--image", other, "--serial", "123456789012345678901"],
+            "INVALID_ARGUMENT",
+            "serial",
+        ),
+        (
+            vec!["n18", "--image", other, "--iothread-cpus", "0-x"],
+            "INVALID_ARGUMENT",
+            "iothread_cpus",
+        ),
+        (
+            vec!["n19", "--image", other, "--iothread-cpus", "99999"],
+            "INVALID_ARGUMENT",
+            "iothread_cpus",
+        ),
+    ];
+    for (args, code, field) in &cases {
+        let mut all = vec!["disk", "add"];
+        all.extend_from_slice(args);
+        d.ctl_refused(&all, code, field);
+    }
+    d.ctl_refused(&["disk", "remove", "nope"], "NOT_FOUND", "id");
+    d.ctl_refused(&["disk", "show", "nope"], "NOT_FOUND", "id");
+    d.ctl_refused(&["stats", "nope"], "NOT_FOUND", "id");
+    d.ctl_refused(&["disk", "resize", "nope", "1G"], "NOT_FOUND", "id");
+    d.ctl_refused(
+        &["disk", "resize", "good", "1000"],
+        "INVALID_ARGUMENT",
+        "new_size_bytes",
+    );
+    d.ctl_refused(
+        &["disk", "resize", "good", "4M"],
+        "FAILED_PRECONDITION",
+        "new_size_bytes",
+    );
+    // A command-line error is blkplanectl's own (exit status 2), not the server's.
+    assert_eq!(d.ctl(&["disk", "add"]).code, Some(2));
+
+    // Nothing behind: one disk, one frontend, its files only, no stray sockets.
+    let listed = d.ctl_json(&["disk", "list"]);
+    assert_eq!(listed.arr().len(), 1);
+    assert_eq!(d.state_ids(), ["good"]);
+    assert_eq!(d.frontends(), [good_pid]);
+    assert_eq!(
+        d.runtime_files(),
+        ["good.admin", "good.log", "good.pid", "good.sock"]
+    );
+    assert!(!dir.join("t.sock").exists());
+    assert_eq!(std::fs::metadata(&other_img).unwrap().len(), 8 * MIB);
+    assert!(std::fs::metadata(&other_img).unwrap().is_file());
+    check_fresh_connection(&good_socket, 0, 9);
+}
+
+/// A frontend that fails at start-up: AddDisk reports it with the frontend's own words
+/// (INTERNAL) and leaves nothing behind. Uses a stand-in frontend, so it needs no admin
+/// channel.
+#[test]
+fn failed_start_leaves_nothing() {
+    let dir = TempDir::new("cpfail");
+    let fake = dir.join("fake-frontend");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"fake-frontend: cannot open the image ($*)\" >&2\nexit 7\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let d = Daemon::start("cpfd", &["--frontend-binary", fake.to_str().unwrap()]);
+    let img = create_image(&dir.join("disk.img"), 8 * MIB);
+    let err = d.ctl_refused(
+        &["disk", "add", "d", "--image", img.to_str().unwrap()],
+        "INTERNAL",
+        "cannot open the image",
+    );
+    assert!(err.contains("exited with status 7"), "{err}");
+    assert!(d.state_ids().is_empty());
+    assert_eq!(d.runtime_files(), Vec::<String>::new());
+    assert!(d.ctl_json(&["disk", "list"]).arr().is_empty());
+    // The id is free for a later attempt.
+    d.ctl_refused(
+        &["disk", "add", "d", "--image", img.to_str().unwrap()],
+        "INTERNAL",
+        "exited with status 7",
+    );
+}
+
+/// A frontend that keeps crashing is restarted with back-off and then marked failed, with the
+/// reason; removing the failed disk leaves nothing behind.
+#[test]
+fn crash_loop_marks_the_disk_failed() {
+    let d = Daemon::start("cploop", &["--restart-max", "3"]);
+    let dir = TempDir::new("cploopimg");
+    let img = create_image(&dir.join("disk.img"), 8 * MIB);
+    let watcher = Watcher::start(&d);
+    let mut pid = add_disk(&d, "loop", &img, &[]).get("frontend_pid").u64() as u32;
+    for crash in 1..=3 {
+        kill(pid, libc::SIGKILL);
+        if crash < 3 {
+            let j = d.wait_disk("loop", "restarted", |j| {
+                j.get("state").str() == "ready" && j.get("frontend_pid").u64() as u32 != pid
+            });
+            assert_eq!(j.get("restarts").u64(), crash);
+            pid = j.get("frontend_pid").u64() as u32;
+        }
+    }
+    let j = d.wait_disk("loop", "failed", |j| j.get("state").str() == "failed");
+    let reason = j.get("state_reason").str();
+    assert!(
+        reason.contains("3 crashes") && reason.contains("signal 9"),
+        "{reason}"
+    );
+    assert_eq!(j.get("frontend_pid").u64(), 0);
+    let failed = watcher.wait("failed", "loop");
+    assert!(failed.get("message").str().contains("signal 9"));
+    assert_eq!(d.frontends(), Vec::<u32>::new());
+    d.ctl_refused(&["stats", "loop"], "FAILED_PRECONDITION", "failed");
+    d.ctl_ok(&["disk", "remove", "loop"]);
+    assert!(d.state_ids().is_empty());
+    assert_eq!(d.runtime_files(), Vec::<String>::new());
+}
+
+/// blkplanectl's completions and the daemon's refusal to serve TCP without TLS.
+#[test]
+fn completions_and_listen_rules() {
+    let out = Command::new(&binaries().blkplanectl)
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("blkplanectl"));
+    let dir = TempDir::new("cptls");
+    let out = Command::new(&binaries().blkplaned)
+        .args(["--state-dir", dir.join("s").to_str().unwrap()])
+        .args(["--runtime-dir", dir.join("r").to_str().unwrap()])
+        .args(["--listen", "tcp:127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tls-client-ca"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Unreachable daemon: a clear error and exit status 1.
+    let out = Command::new(&binaries().blkplanectl)
+        .args([
+            "--socket",
+            dir.join("none.sock").to_str().unwrap(),
+            "disk",
+            "list",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach blkplaned"));
+}
+
+/// Two blkplaned on one runtime directory: the second refuses to start and disturbs nothing.
+#[test]
+fn second_daemon_on_the_same_dirs_is_refused() {
+    let d = Daemon::start("cptwo", &[]);
+    let out = Command::new(&binaries().blkplaned)
+        .args(&d.args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use") || err.contains("locked"), "{err}");
+    // The first one still answers.
+    assert!(d.ctl_json(&["disk", "list"]).arr().is_empty());
+    let _ = d.pid();
+}
+
+/// A restart of blkplaned with leftovers: a pid file that names an unrelated live process
+/// (the pid was recycled) and a frontend of a disk that is not in the state (blkplaned died
+/// between starting it and persisting it). The unrelated process is left alone and a new
+/// frontend serves the disk; the orphan is stopped and its files removed.
+#[test]
+fn restart_with_stale_pid_file_and_orphan() {
+    let mut d = Daemon::start("cpstale", &[]);
+    let dir = TempDir::new("cpstaleimg");
+    let img = create_image(&dir.join("a.img"), 8 * MIB);
+    let ghost_img = create_image(&dir.join("ghost.img"), 8 * MIB);
+    let a = add_disk(&d, "a", &img, &[]);
+    let old = a.get("frontend_pid").u64() as u32;
+    d.kill9();
+    kill(old, libc::SIGKILL);
+    wait_for(TIMEOUT, || (!alive(old)).then_some(())).expect("frontend a did not die");
+
+    // The recycled pid: some other program now.
+    let mut sleeper = Command::new("sleep").arg("60").spawn().unwrap();
+    std::fs::write(d.disks_dir().join("a.pid"), format!("{}\n", sleeper.id())).unwrap();
+    // The orphan: a frontend with an admin socket in the runtime directory, for an id that
+    // is not in the state.
+    let disks = d.disks_dir();
+    let mut ghost = Command::new(&binaries().frontend)
+        .arg(format!("--socket={}", disks.join("ghost.sock").display()))
+        .arg(format!(
+            "--admin-socket={}",
+            disks.join("ghost.admin").display()
+        ))
+        .arg(format!("--image={}", ghost_img.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::fs::write(disks.join("ghost.pid"), format!("{}\n", ghost.id())).unwrap();
+    wait_for(TIMEOUT, || disks.join("ghost.admin").exists().then_some(()))
+        .expect("the orphan frontend did not start");
+
+    d.spawn();
+    let j = d.wait_disk("a", "restarted", |j| {
+        j.get("state").str() == "ready" && j.get("frontend_pid").u64() != 0
+    });
+    let new = j.get("frontend_pid").u64() as u32;
+    assert!(new != old && new != sleeper.id(), "{j:?}");
+    assert!(alive(sleeper.id()), "blkplaned killed an unrelated process");
+    check_fresh_connection(&socket_of(&j), 0, 3);
+    // The orphan is gone, with its files.
+    let status = ghost.wait().unwrap();
+    assert!(!status.success(), "the orphan exited by itself: {status}");
+    assert_eq!(
+        d.runtime_files(),
+        ["a.admin", "a.log", "a.pid", "a.sock"],
+        "leftovers of the orphan"
+    );
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+}

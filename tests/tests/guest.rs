@@ -1,0 +1,674 @@
+//! A real Linux guest under QEMU with two blkplane disks attached as `vhost-user-blk-pci`.
+//!
+//! The guest is Debian's kernel with a small initramfs built from Debian packages by
+//! `tests/guest/build-initramfs.py` (cached under `<target>/guest/`); its `/init` is
+//! `tests/guest/init.sh`, which runs the checks and reports them on the second serial port as
+//! `BLKPLANE-CHECK ok|fail <name> <detail>` lines, ending with `BLKPLANE-DONE`. The disks:
+//!
+//! - read-write: `--num-queues 2 --iothreads 2`, QEMU `num-queues=2`, 2 vCPUs: capacity, serial,
+//!   blk-mq queue count and read-only flag as configured; fio write+verify (4k random, 128k
+//!   sequential, time-based mixed) on both queues, a verify-only re-read; mkfs.ext4, files
+//!   checksummed, `e2fsck -fn`; discard, write-zeroes and flush; then `reboot -f` inside the
+//!   same QEMU process and everything verified again from the disk.
+//! - read-only: `--read-only`: the kernel reports it read-only, its data is the image's, and
+//!   writes and discards fail.
+//!
+//! After QEMU powers off, the images are checked from the host too: the boot-2 marker the guest
+//! wrote, the read-only image untouched, `e2fsck -fn` on the image's file system.
+//!
+//! Needs `qemu-system-x86_64` and the apt sources `tests/setup.sh` sets up; if they are missing
+//! the test fails and says to run `tests/setup.sh`. See `tests/guest/README.md`.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::Write as _;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use blkplane_tests::*;
+
+const MIB: u64 = 1 << 20;
+/// Read-write disk: 256 MiB and a bit, so that the capacity is not a round number.
+const RW_SIZE: u64 = 256 * MIB + 64 * 1024;
+const RO_SIZE: u64 = 8 * MIB;
+const RO_SEED: u64 = 0xb1c_9ea5;
+const RW_SERIAL: &str = "blkplane-guest-rw";
+const RO_SERIAL: &str = "blkplane-guest-ro";
+const QUEUES: u16 = 2;
+/// Where init.sh writes its boot marker (sector 200 MiB / 512).
+const MARKER_OFFSET: u64 = 200 * MIB;
+/// Regions init.sh discards or zeroes (MiB offset, MiB length).
+const ZEROED_REGIONS: [(u64, u64); 3] = [(160, 4), (164, 4), (168, 4)];
+
+/// Upper bound for building (or finding in the cache) the kernel and initramfs.
+const BUILD_TIMEOUT: Duration = Duration::from_secs(300);
+/// Upper bound for the guest, both boots (TCG; about 3 minutes on 2 cores).
+const GUEST_TIMEOUT: Duration = Duration::from_secs(420);
+/// How long QEMU may take to exit after the guest said it is done.
+const POWEROFF_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Every check init.sh must report as ok, in boot 1 and boot 2 (after `reboot -f`).
+const BOOT1_CHECKS: &[&str] = &[
+    "disks",
+    "capacity",
+    "serial",
+    "queues",
+    "ro-flag",
+    "ro-disk-capacity",
+    "ro-disk-serial",
+    "ro-disk-queues",
+    "ro-disk-ro-flag",
+    "ro-disk-read",
+    "ro-disk-write-refused",
+    "ro-disk-discard-refused",
+    "ro-disk-unchanged",
+    "fio-rand4k",
+    "fio-seq128k",
+    "mq-both-queues",
+    "fio-mixed",
+    "verify-rand4k",
+    "verify-seq128k",
+    "ext4-mkfs-mount",
+    "ext4-write",
+    "e2fsck",
+    "ext4-remount",
+    "discard",
+    "write-zeroes-unmap",
+    "write-zeroes",
+    "flush",
+    "marker",
+];
+const BOOT2_CHECKS: &[&str] = &[
+    "reboot-disks",
+    "reboot-capacity",
+    "reboot-serial",
+    "reboot-queues",
+    "reboot-ro-flag",
+    "reboot-ro-disk-capacity",
+    "reboot-ro-disk-serial",
+    "reboot-ro-disk-queues",
+    "reboot-ro-disk-ro-flag",
+    "reboot-ro-disk-read",
+    "reboot-marker",
+    "reboot-verify-rand4k",
+    "reboot-verify-seq128k",
+    "reboot-e2fsck",
+    "reboot-ext4-files",
+    "reboot-zeros",
+    "reboot-marker-written",
+];
+
+const SETUP_HINT: &str = "run tests/setup.sh as root (it installs qemu-system-x86 from \
+                          bookworm-backports and sets up the apt sources the guest is built from)";
+
+/// Writes straight to the test process's stderr, past libtest's output capture, so that the
+/// progress and the summary show in a passing CI log too.
+fn progress(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "guest: {msg}");
+}
+
+/// The cargo target directory (the nearest ancestor of the test binary with CACHEDIR.TAG).
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.ancestors()
+        .find(|d| d.join("CACHEDIR.TAG").is_file())
+        .unwrap_or_else(|| panic!("{} is not inside a cargo target directory", exe.display()))
+        .to_path_buf()
+}
+
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+/// Runs `cmd` with stdout and stderr into files under `dir`, killing it after `timeout`.
+/// Returns (status, stdout, stderr); status None means it timed out.
+fn run_bounded(
+    mut cmd: Command,
+    dir: &Path,
+    tag: &str,
+    timeout: Duration,
+) -> (Option<ExitStatus>, String, String) {
+    let out_path = dir.join(format!("{tag}.stdout"));
+    let err_path = dir.join(format!("{tag}.stderr"));
+    cmd.stdin(Stdio::null())
+        .stdout(File::create(&out_path).unwrap())
+        .stderr(File::create(&err_path).unwrap());
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}; {SETUP_HINT}"));
+    let status = wait_for(timeout, || child.try_wait().unwrap());
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let read =
+        |p: &Path| String::from_utf8_lossy(&std::fs::read(p).unwrap_or_default()).into_owned();
+    (status, read(&out_path), read(&err_path))
+}
+
+/// The kernel and initramfs to boot.
+struct GuestImage {
+    kernel: PathBuf,
+    initrd: PathBuf,
+    info: String,
+}
+
+fn build_guest(scratch: &Path) -> GuestImage {
+    let guest_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
+    let cache = std::env::var_os("BLKPLANE_GUEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("guest"));
+    let Some(python) = find_in_path("python3") else {
+        panic!("python3 not found on PATH; {SETUP_HINT}");
+    };
+    let mut cmd = Command::new(python);
+    cmd.arg(guest_dir.join("build-initramfs.py"))
+        .arg("--cache")
+        .arg(&cache);
+    let started = Instant::now();
+    let (status, stdout, stderr) = run_bounded(cmd, scratch, "build", BUILD_TIMEOUT);
+    match status {
+        None => panic!(
+            "building the guest initramfs took longer than {BUILD_TIMEOUT:?}:\n{stderr}\n{SETUP_HINT}"
+        ),
+        Some(s) if !s.success() => panic!(
+            "building the guest initramfs failed ({s}):\n{stderr}\n{SETUP_HINT} (exit status 3 \
+             means apt does not know the packages or a tool is missing)"
+        ),
+        Some(_) => {}
+    }
+    let field = |k: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
+            .unwrap_or_else(|| panic!("build-initramfs.py printed no {k}=:\n{stdout}\n{stderr}"))
+            .to_string()
+    };
+    let info = format!(
+        "kernel {} initramfs {} ({}, {:.1?}); {}",
+        field("kernel_release"),
+        field("key"),
+        if field("cached") == "yes" {
+            "cached"
+        } else {
+            "built"
+        },
+        started.elapsed(),
+        field("packages")
+    );
+    GuestImage {
+        kernel: field("kernel").into(),
+        initrd: field("initrd").into(),
+        info,
+    }
+}
+
+/// A running QEMU, killed and reaped on drop (and by the kernel if this process dies).
+struct Qemu {
+    child: Child,
+}
+
+impl Qemu {
+    fn spawn(mut cmd: Command) -> Qemu {
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning QEMU {cmd:?}: {e}; {SETUP_HINT}"));
+        Qemu { child }
+    }
+
+    fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+}
+
+impl Drop for Qemu {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// One `BLKPLANE-CHECK` line.
+#[derive(Debug)]
+struct Check {
+    ok: bool,
+    name: String,
+    detail: String,
+}
+
+/// What the guest reported on its results port.
+#[derive(Debug, Default)]
+struct Report {
+    lines: Vec<String>,
+    checks: Vec<Check>,
+    boots: Vec<u32>,
+    rebooted: bool,
+    done: Option<String>,
+}
+
+impl Report {
+    fn parse(text: &str) -> Report {
+        let mut r = Report::default();
+        for line in text.lines() {
+            let line = line.trim_end_matches('\r');
+            let Some(start) = line.find("BLKPLANE-") else {
+                continue;
+            };
+            let line = &line[start..];
+            r.lines.push(line.to_string());
+            let mut words = line.splitn(4, ' ');
+            match words.next() {
+                Some("BLKPLANE-CHECK") => {
+                    let verdict = words.next().unwrap_or("");
+                    r.checks.push(Check {
+                        ok: verdict == "ok",
+                        name: words.next().unwrap_or("").to_string(),
+                        detail: words.next().unwrap_or("").to_string(),
+                    });
+                }
+                Some("BLKPLANE-BOOT") => {
+                    if let Some(n) = words.next().and_then(|n| n.parse().ok()) {
+                        r.boots.push(n);
+                    }
+                }
+                Some("BLKPLANE-REBOOT") => r.rebooted = true,
+                Some("BLKPLANE-DONE") => {
+                    r.done = Some(line["BLKPLANE-DONE".len()..].trim().to_string());
+                }
+                _ => {}
+            }
+        }
+        r
+    }
+
+    /// Everything wrong with the report: failed, missing, unexpected or repeated checks.
+    fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let expected: Vec<&str> = BOOT1_CHECKS.iter().chain(BOOT2_CHECKS).copied().collect();
+        for c in &self.checks {
+            if !c.ok {
+                out.push(format!("failed: {} {}", c.name, c.detail));
+            }
+            if !expected.contains(&c.name.as_str()) {
+                out.push(format!(
+                    "unexpected check {} (not in this test's list)",
+                    c.name
+                ));
+            }
+        }
+        let mut missing = Vec::new();
+        for name in &expected {
+            match self.checks.iter().filter(|c| c.name == *name).count() {
+                0 => missing.push(*name),
+                1 => {}
+                n => out.push(format!("reported {n} times: {name}")),
+            }
+        }
+        if !missing.is_empty() {
+            out.push(format!(
+                "{} of {} checks never reported: {}",
+                missing.len(),
+                expected.len(),
+                missing.join(" ")
+            ));
+        }
+        if self.boots != [1, 2] {
+            out.push(format!("boots reported: {:?}, want [1, 2]", self.boots));
+        }
+        if !self.rebooted {
+            out.push("boot 1 never said BLKPLANE-REBOOT".into());
+        }
+        match &self.done {
+            None => out.push("no BLKPLANE-DONE".into()),
+            Some(d) if !d.starts_with("failed=0 boot=2") => out.push(format!("BLKPLANE-DONE {d}")),
+            Some(_) => {}
+        }
+        out
+    }
+}
+
+fn read_lossy(path: &Path) -> String {
+    String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
+}
+
+/// The last `max` bytes of `text`, cut at a line start.
+fn tail(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    let start = text[start..].find('\n').map_or(start, |i| start + i + 1);
+    &text[start..]
+}
+
+fn sha256_of(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .unwrap_or_else(|e| panic!("sha256sum: {e}"));
+    assert!(out.status.success(), "sha256sum {} failed", path.display());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Boots the guest once (two boots, one QEMU), then checks the images from the host.
+#[test]
+fn linux_guest_on_blkplane_disks() {
+    let t0 = Instant::now();
+    let Some(qemu_bin) = find_in_path("qemu-system-x86_64") else {
+        panic!("qemu-system-x86_64 not found on PATH; {SETUP_HINT}");
+    };
+    let qemu_version = Command::new(&qemu_bin)
+        .arg("--version")
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
+        .unwrap_or_else(|e| panic!("{} --version: {e}; {SETUP_HINT}", qemu_bin.display()));
+    progress(&qemu_version);
+
+    let dir = TempDir::new("guest");
+    let guest = build_guest(dir.path());
+    progress(&guest.info);
+
+    let rw_image = create_image(&dir.join("rw.img"), RW_SIZE);
+    let ro_image = create_random_image(&dir.join("ro.img"), RO_SIZE, RO_SEED);
+    let ro_sha = sha256_of(&ro_image);
+    // Build the binaries (when needed) now, not while the frontends start.
+    binaries();
+    let rw_fe = Frontend::start(
+        &rw_image,
+        &[
+            "--num-queues",
+            &QUEUES.to_string(),
+            "--iothreads",
+            "2",
+            "--serial",
+            RW_SERIAL,
+        ],
+    );
+    let ro_fe = Frontend::start(&ro_image, &["--read-only", "--serial", RO_SERIAL]);
+    let mut frontends = [("read-write", rw_fe), ("read-only", ro_fe)];
+
+    let console = dir.join("console.log");
+    let results = dir.join("results.log");
+    let qemu_log = dir.join("qemu.log");
+    let nonce = format!(
+        "{:x}{:x}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            & 0xffff_ffff
+    );
+    let append = format!(
+        "console=ttyS0 panic=-1 bp.nonce={nonce} bp.size={RW_SIZE} bp.serial={RW_SERIAL} \
+         bp.queues={QUEUES} bp.lbs=512 bp.ro_size={RO_SIZE} bp.ro_serial={RO_SERIAL} \
+         bp.ro_sha256={ro_sha}"
+    );
+    let mut cmd = Command::new(&qemu_bin);
+    cmd.args(["-no-user-config", "-nodefaults", "-nographic"])
+        .args(["-machine", "q35,memory-backend=mem", "-accel", "tcg"])
+        .args(["-cpu", "max", "-smp", "2", "-m", "512"])
+        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+        .arg("-kernel")
+        .arg(&guest.kernel)
+        .arg("-initrd")
+        .arg(&guest.initrd)
+        .args(["-append", &append])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("-serial")
+        .arg(format!("file:{}", results.display()));
+    // The read-write disk keeps QEMU's default ring size (128, smaller than the frontend's
+    // --queue-size 256), as in the README's example; the read-only one uses 256.
+    for (id, (_, fe), extra) in [
+        ("rw", &frontends[0], format!("num-queues={QUEUES}")),
+        (
+            "ro",
+            &frontends[1],
+            "num-queues=1,queue-size=256".to_string(),
+        ),
+    ] {
+        cmd.arg("-chardev")
+            .arg(format!("socket,id={id},path={}", fe.socket().display()))
+            .arg("-device")
+            .arg(format!("vhost-user-blk-pci,chardev={id},{extra}"));
+    }
+    let qemu_out = File::create(&qemu_log).unwrap();
+    cmd.stdin(Stdio::null())
+        .stdout(qemu_out.try_clone().unwrap())
+        .stderr(qemu_out);
+    progress(&format!("starting QEMU (TCG, 2 vCPUs): {cmd:?}"));
+    let boot_started = Instant::now();
+    let mut qemu = Qemu::spawn(cmd);
+
+    // Follow the results port until the guest is done, QEMU or a frontend exits, the kernel
+    // panics or the time is up.
+    let deadline = boot_started + GUEST_TIMEOUT;
+    let mut shown = 0;
+    let mut reboot_at = None;
+    let outcome: Result<(), String> = loop {
+        std::thread::sleep(Duration::from_millis(250));
+        let text = read_lossy(&results);
+        let report = Report::parse(&text);
+        for line in &report.lines[shown..] {
+            progress(&format!("[{:>5.1?}] {line}", boot_started.elapsed()));
+            if line.starts_with("BLKPLANE-REBOOT") {
+                reboot_at = Some(boot_started.elapsed());
+            }
+        }
+        shown = report.lines.len();
+        if report.done.is_some() {
+            break Ok(());
+        }
+        if let Some(status) = qemu.exited() {
+            break Err(format!(
+                "QEMU exited with {status} before the guest was done"
+            ));
+        }
+        if let Some((role, status)) = frontends
+            .iter_mut()
+            .find_map(|(role, fe)| fe.exit_status().map(|s| (*role, s)))
+        {
+            break Err(format!(
+                "the {role} frontend exited with {status} while the guest ran"
+            ));
+        }
+        // QEMU stays connected for the whole run, reboot included.
+        if let Some((role, line)) = frontends.iter().find_map(|(role, fe)| {
+            fe.stderr()
+                .lines()
+                .find(|l| l.contains("VMM disconnected"))
+                .map(|l| (*role, l.to_string()))
+        }) {
+            break Err(format!(
+                "the {role} frontend dropped QEMU while the guest ran: {line}"
+            ));
+        }
+        let console_text = read_lossy(&console);
+        if console_text.contains("Kernel panic") {
+            break Err("the guest kernel panicked".into());
+        }
+        if console_text.matches("Linux version").count() > 2 {
+            break Err("the guest booted more than twice".into());
+        }
+        if Instant::now() >= deadline {
+            break Err(format!("the guest did not finish within {GUEST_TIMEOUT:?}"));
+        }
+    };
+    let guest_time = boot_started.elapsed();
+
+    // The guest powers off after BLKPLANE-DONE: QEMU exits by itself.
+    let qemu_status = if outcome.is_ok() {
+        wait_for(POWEROFF_TIMEOUT, || qemu.exited())
+    } else {
+        None
+    };
+    drop(qemu);
+
+    let report = Report::parse(&read_lossy(&results));
+    let mut problems: Vec<String> = Vec::new();
+    if let Err(e) = &outcome {
+        problems.push(e.clone());
+    }
+    if outcome.is_ok() {
+        match qemu_status {
+            None => problems.push(format!(
+                "QEMU did not exit within {POWEROFF_TIMEOUT:?} of the guest's poweroff"
+            )),
+            Some(s) if !s.success() => problems.push(format!("QEMU exited with {s}")),
+            Some(_) => {}
+        }
+    }
+    problems.extend(report.problems());
+    // A Linux guest is a well-behaved driver: the frontend must not have refused anything.
+    for (role, fe) in &frontends {
+        let stderr = fe.stderr();
+        let refused: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("rejected request") || l.contains("refused vhost-user"))
+            .collect();
+        if !refused.is_empty() {
+            problems.push(format!(
+                "the {role} frontend refused {} requests or messages from QEMU and the Linux \
+                 guest, first: {}",
+                refused.len(),
+                refused[0]
+            ));
+        }
+    }
+
+    // From the host: what the guest wrote is in the image, the read-only image is untouched.
+    let mut host_checks: Vec<String> = Vec::new();
+    if outcome.is_ok() {
+        let marker = read_file_at(&rw_image, MARKER_OFFSET, 512);
+        let want = format!("BLKPLANE-MARK stage2 {nonce}\n");
+        if marker.starts_with(want.as_bytes()) {
+            host_checks.push(format!(
+                "rw image holds the boot-2 marker at {MARKER_OFFSET}"
+            ));
+        } else {
+            problems.push(format!(
+                "host: the rw image has no boot-2 marker at {MARKER_OFFSET}: {:?}",
+                String::from_utf8_lossy(&marker[..64])
+            ));
+        }
+        for (off, len) in ZEROED_REGIONS {
+            let data = read_file_at(&rw_image, off * MIB, (len * MIB) as usize);
+            if data.iter().any(|&b| b != 0) {
+                problems.push(format!(
+                    "host: rw image region {off}M+{len}M (discarded/zeroed) is not zero"
+                ));
+            }
+        }
+        host_checks.push("discarded and zeroed regions are zero in the rw image".into());
+        if read_file(&ro_image) == pattern(RO_SEED, RO_SIZE as usize) {
+            host_checks.push("ro image unchanged".into());
+        } else {
+            problems.push("host: the read-only image changed".into());
+        }
+        match Command::new("e2fsck").arg("-fn").arg(&rw_image).output() {
+            Ok(out) if out.status.success() => host_checks.push(format!(
+                "e2fsck -fn on the rw image: {}",
+                String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            )),
+            Ok(out) => problems.push(format!(
+                "host: e2fsck -fn on the rw image failed ({}):\n{}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )),
+            Err(e) => problems.push(format!("host: e2fsck: {e}; {SETUP_HINT}")),
+        }
+    }
+
+    // Keep the last run's logs for a look after the fact.
+    let keep = target_dir().join("guest").join("last-run");
+    let _ = std::fs::remove_dir_all(&keep);
+    if std::fs::create_dir_all(&keep).is_ok() {
+        for f in [&console, &results, &qemu_log] {
+            let _ = std::fs::copy(f, keep.join(f.file_name().unwrap()));
+        }
+        for (role, fe) in &frontends {
+            let _ = std::fs::write(
+                keep.join(format!("frontend-{role}.log")),
+                fe.stderr().as_bytes(),
+            );
+        }
+    }
+
+    if !problems.is_empty() {
+        let mut msg = String::new();
+        let _ = writeln!(
+            msg,
+            "---- guest console ({}) ----\n{}\n---- end of guest console ----",
+            console.display(),
+            tail(&read_lossy(&console), 256 * 1024)
+        );
+        let _ = writeln!(
+            msg,
+            "---- guest results port ----\n{}\n---- QEMU output ----\n{}\n---- end ----",
+            read_lossy(&results),
+            read_lossy(&qemu_log)
+        );
+        eprintln!("{msg}");
+        eprintln!("logs kept in {}", keep.display());
+        // The frontends' stderr is printed when their guards drop during the panic.
+        panic!(
+            "guest test failed after {guest_time:.1?}:\n  {}",
+            problems.join("\n  ")
+        );
+    }
+
+    for (role, fe) in &mut frontends {
+        fe.assert_running(&format!("the guest ({role} disk)"));
+    }
+    let mut summary = format!(
+        "all {} guest checks passed in {:.1?} (boot 1 {:.1?}, boot 2 {:.1?}); total {:.1?}:\n",
+        report.checks.len(),
+        guest_time,
+        reboot_at.unwrap_or_default(),
+        guest_time.saturating_sub(reboot_at.unwrap_or_default()),
+        t0.elapsed()
+    );
+    for c in &report.checks {
+        let _ = writeln!(summary, "  ok {:<24} {}", c.name, c.detail);
+    }
+    for h in &host_checks {
+        let _ = writeln!(summary, "  ok host: {h}");
+    }
+    progress(summary.trim_end());
+    for (_, fe) in frontends {
+        fe.finish();
+    }
+}
