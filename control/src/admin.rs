@@ -9,8 +9,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use blkplane_proto::v1::{
-    frontend_request, frontend_response, DiskStats, FrontendRequest, FrontendResponse,
-    FrontendStatus, ResizeDone, ResizeRequest, StatsRequest, StatusRequest,
+    frontend_request, frontend_response, DiskStats, DrainRequest, Drained, FrontendRequest,
+    FrontendResponse, FrontendStatus, ResizeDone, ResizeRequest, ResumeRequest,
+    SetMigrationBlockers, StatsRequest, StatusRequest,
 };
 use prost::Message;
 use thiserror::Error;
@@ -23,6 +24,9 @@ pub const MAX_FRAME: usize = 1 << 20;
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a resize may take (it grows a file and may wait for the guest notification).
 pub const RESIZE_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a drain may take: the requests in flight must complete (through an iothread
+/// restart, if one dies meanwhile) and the image may be synced.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Admin-channel failures.
 #[derive(Debug, Error)]
@@ -137,6 +141,50 @@ pub async fn resize(socket: &Path, new_size_bytes: u64) -> Result<ResizeDone, Ad
     .await?
     {
         frontend_response::Response::Resized(r) => Ok(r),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Drains the disk (fdatasync of the image with `flush`); answers once nothing is in flight.
+pub async fn drain(socket: &Path, flush: bool) -> Result<Drained, AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::Drain(DrainRequest { flush }),
+        DRAIN_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::Drained(d) => Ok(d),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Resumes a drained disk.
+pub async fn resume(socket: &Path) -> Result<(), AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::Resume(ResumeRequest {}),
+        // The workers are reached through the device lock, which a vhost-user message being
+        // handled may hold for a while.
+        DRAIN_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::Resumed(_) => Ok(()),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Replaces the frontend's list of migration blockers.
+pub async fn set_migration_blockers(socket: &Path, reasons: Vec<String>) -> Result<(), AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::SetMigrationBlockers(SetMigrationBlockers { reasons }),
+        CALL_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::MigrationBlockersSet(_) => Ok(()),
         other => Err(AdminError::Unexpected(format!("{other:?}"))),
     }
 }

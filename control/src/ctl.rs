@@ -11,7 +11,11 @@ use serde_json::{json, Value};
 
 use crate::daemon::state_name;
 use crate::events::kind_name;
-use crate::pb::{CacheMode, Disk, DiskState, DiskStatistics, Event, EventKind};
+use crate::migration::reason_name;
+use crate::pb::{
+    CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind,
+    MigrationBlocker, MigrationBlockerReason, MigrationStatus,
+};
 
 /// The canonical upper-case name of a gRPC status code, as printed in error messages.
 pub fn code_name(code: tonic::Code) -> &'static str {
@@ -120,6 +124,79 @@ fn disk_state(d: &Disk) -> &'static str {
     state_name(DiskState::try_from(d.state).unwrap_or(DiskState::Unspecified))
 }
 
+/// The name of a blocker's reason (`unknown` for a number this blkplanectl does not know).
+fn blocker_reason(b: &MigrationBlocker) -> &'static str {
+    MigrationBlockerReason::try_from(b.reason)
+        .map(reason_name)
+        .unwrap_or("unknown")
+}
+
+/// A migration blocker as JSON.
+pub fn blocker_json(b: &MigrationBlocker) -> Value {
+    json!({
+        "reason": blocker_reason(b),
+        "message": b.message,
+        "automatic": b.automatic,
+        "since": format_time(b.since_unix_ms),
+        "since_unix_ms": b.since_unix_ms,
+    })
+}
+
+/// `disk blocker list|add|remove` as JSON.
+pub fn migration_json(m: &MigrationStatus) -> Value {
+    json!({
+        "id": m.id,
+        "migratable": m.migratable,
+        "blockers": m.blockers.iter().map(blocker_json).collect::<Vec<_>>(),
+    })
+}
+
+/// `disk blocker list|add|remove` for people: whether the disk may migrate, and every
+/// blocker with its reason.
+pub fn migration_table(m: &MigrationStatus) -> String {
+    let mut out = format!(
+        "{}: {}\n",
+        m.id,
+        if m.migratable {
+            "migratable"
+        } else {
+            "not migratable"
+        }
+    );
+    if !m.blockers.is_empty() {
+        let rows: Vec<Vec<String>> = m
+            .blockers
+            .iter()
+            .map(|b| {
+                vec![
+                    blocker_reason(b).to_string(),
+                    if b.automatic { "automatic" } else { "operator" }.to_string(),
+                    format_time(b.since_unix_ms),
+                    b.message.clone(),
+                ]
+            })
+            .collect();
+        out.push_str(&render_table(
+            &["REASON", "SOURCE", "SINCE", "MESSAGE"],
+            &rows,
+        ));
+    }
+    out
+}
+
+/// A drain's answer as JSON.
+pub fn drain_json(id: &str, d: &DrainDiskResponse) -> Value {
+    json!({ "id": id, "drained": true, "waited_requests": d.waited_requests, "flushed": d.flushed })
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
 fn queue_status_json(q: &QueueStatus) -> Value {
     json!({ "index": q.index, "running": q.running, "broken": q.broken })
 }
@@ -140,6 +217,9 @@ pub fn disk_json(d: &Disk) -> Value {
         "acked_protocol_features": d.acked_protocol_features,
         "capacity_bytes": d.capacity_bytes,
         "log_path": d.log_path,
+        "drained": d.drained,
+        "migratable": d.migratable,
+        "migration_blockers": d.migration_blockers.iter().map(blocker_json).collect::<Vec<_>>(),
         "config": {
             "image": c.image,
             "read_only": c.read_only,
@@ -210,13 +290,22 @@ pub fn disks_table(disks: &[Disk]) -> String {
                 },
                 c.num_queues.to_string(),
                 d.restarts.to_string(),
+                yes_no(d.migratable).into(),
                 c.vhost_socket,
             ]
         })
         .collect();
     render_table(
         &[
-            "ID", "STATE", "VMM", "PID", "SIZE", "QUEUES", "RESTARTS", "SOCKET",
+            "ID",
+            "STATE",
+            "VMM",
+            "PID",
+            "SIZE",
+            "QUEUES",
+            "RESTARTS",
+            "MIGRATABLE",
+            "SOCKET",
         ],
         &rows,
     )
@@ -278,7 +367,15 @@ pub fn disk_detail(d: &Disk) -> String {
             format!("{:#x}", d.acked_protocol_features),
         ),
         ("log", d.log_path.clone()),
+        ("drained", yes_no(d.drained).into()),
+        ("migratable", yes_no(d.migratable).into()),
     ]);
+    for b in &d.migration_blockers {
+        rows.push((
+            "migration blocker",
+            format!("{}: {}", blocker_reason(b), b.message),
+        ));
+    }
     let broken: Vec<String> = d
         .queues
         .iter()
@@ -565,6 +662,27 @@ mod tests {
         );
         let j = disk_json(&d);
         assert_eq!(j["state"], "connected");
+        assert_eq!(j["migratable"], false);
+        let blocked = MigrationStatus {
+            id: "disk0".into(),
+            migratable: false,
+            blockers: vec![MigrationBlocker {
+                reason: MigrationBlockerReason::OperatorBackup as i32,
+                message: "nightly".into(),
+                automatic: false,
+                since_unix_ms: 0,
+            }],
+        };
+        let t = migration_table(&blocked);
+        assert!(t.starts_with("disk0: not migratable\nREASON"), "{t}");
+        assert!(
+            t.contains("operator_backup  operator  1970-01-01T00:00:00.000Z  nightly"),
+            "{t}"
+        );
+        assert_eq!(
+            migration_json(&blocked)["blockers"][0]["reason"],
+            "operator_backup"
+        );
         assert_eq!(j["frontend_pid"], 42);
         assert_eq!(j["config"]["cache"], "direct");
         assert!(disk_detail(&d).contains("frontend pid:"));

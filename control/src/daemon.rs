@@ -1,6 +1,7 @@
 //! The disk table and the operations on it, below the gRPC layer: adding (validate, start,
-//! persist), removing (check, persist, stop), reading, resizing, statistics; and the start-up
-//! of blkplaned (directories, locks, orphan sweep, adoption of running frontends).
+//! persist), removing (check, persist, stop), reading, resizing, statistics, draining and
+//! resuming, migration blockers; and the start-up of blkplaned (directories, locks, orphan
+//! sweep, adoption of running frontends).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
@@ -14,10 +15,13 @@ use thiserror::Error;
 
 use crate::admin::{self, AdminError};
 use crate::events::EventBus;
+use crate::migration::{from_operator, reason_name};
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
 use crate::proc;
-use crate::state::{DirLock, DiskSpec, State, StateError, StateStore};
-use crate::supervisor::{self, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings};
+use crate::state::{
+    DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, State, StateError, StateStore, StoredDisk,
+};
+use crate::supervisor::{self, serving, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings};
 use crate::validate::{self, ValidationError};
 
 /// How blkplaned is set up.
@@ -63,6 +67,17 @@ pub enum DaemonError {
         state: &'static str,
         /// Why.
         reason: String,
+    },
+    /// ResizeDisk of a drained disk (growing the image would touch it).
+    #[error("disk {0} is drained: nothing may touch its image until Resume")]
+    Drained(String),
+    /// RemoveMigrationBlocker of a reason the disk has no operator blocker for.
+    #[error("reason: disk {id} has no {reason} blocker")]
+    NoSuchBlocker {
+        /// The disk.
+        id: String,
+        /// The reason's name.
+        reason: &'static str,
     },
     /// ResizeDisk to a smaller size.
     #[error("new_size_bytes: {requested} is smaller than the current capacity {current} of disk {id}; shrinking is refused")]
@@ -123,6 +138,7 @@ pub fn state_name(state: DiskState) -> &'static str {
         DiskState::Restarting => "restarting",
         DiskState::Failed => "failed",
         DiskState::Stopping => "stopping",
+        DiskState::Drained => "drained",
     }
 }
 
@@ -206,10 +222,11 @@ impl Daemon {
         });
         daemon.sweep_orphans(&state).await;
         let mut disks = lock(&daemon.disks);
-        for spec in state.disks {
+        for StoredDisk { spec, lifecycle } in state.disks {
             let id = spec.id.clone();
             let handle = DiskHandle::spawn(
                 spec,
+                lifecycle,
                 Arc::clone(&daemon.settings),
                 daemon.events.clone(),
                 Initial::AdoptOrStart,
@@ -240,11 +257,11 @@ impl Daemon {
     /// during a removal.
     async fn sweep_orphans(&self, state: &State) {
         let disks_dir = &self.settings.disks_dir;
-        let wanted: BTreeSet<&str> = state.disks.iter().map(|d| d.id.as_str()).collect();
+        let wanted: BTreeSet<&str> = state.disks.iter().map(|d| d.spec.id.as_str()).collect();
         // Every file of a wanted disk, whatever its name looks like.
         let mut protected: BTreeSet<PathBuf> = BTreeSet::new();
-        for spec in &state.disks {
-            let paths = DiskPaths::new(disks_dir, spec);
+        for disk in &state.disks {
+            let paths = DiskPaths::new(disks_dir, &disk.spec);
             protected.insert(paths.vhost_socket.clone());
             protected.extend(paths.own_files().iter().map(|p| p.to_path_buf()));
         }
@@ -297,9 +314,38 @@ impl Daemon {
     /// The desired state as it is in the table.
     fn state_from(disks: &BTreeMap<String, Arc<DiskHandle>>) -> State {
         State {
-            disks: disks.values().map(|d| d.spec.clone()).collect(),
+            disks: disks
+                .values()
+                .map(|d| StoredDisk {
+                    spec: d.spec.clone(),
+                    lifecycle: d.runtime().lifecycle,
+                })
+                .collect(),
             ..State::default()
         }
+    }
+
+    /// Writes the desired state as the table has it now. Callers hold `ops`, so that two
+    /// writes never interleave.
+    fn persist(&self) -> Result<(), DaemonError> {
+        let state = Self::state_from(&lock(&self.disks));
+        self.store.save(&state).map_err(DaemonError::from)
+    }
+
+    /// Changes a disk's lifecycle and persists it; on a failed write the change is undone.
+    async fn change_lifecycle(
+        &self,
+        disk: &DiskHandle,
+        change: impl FnOnce(&mut DiskLifecycle),
+    ) -> Result<(), DaemonError> {
+        let _ops = self.ops.lock().await;
+        let old = disk.runtime().lifecycle;
+        disk.update(|rt| change(&mut rt.lifecycle));
+        if let Err(e) = self.persist() {
+            disk.update(|rt| rt.lifecycle = old);
+            return Err(e);
+        }
+        Ok(())
     }
 
     fn get_handle(&self, id: &str) -> Result<Arc<DiskHandle>, DaemonError> {
@@ -407,7 +453,7 @@ impl Daemon {
         for pid in supervisor::kill_strays(&paths).await {
             warn!("disk {}: killed a stray frontend {pid}", spec.id);
         }
-        let (fe, status) = match supervisor::start(&self.settings, &spec, &paths).await {
+        let (fe, status) = match supervisor::start(&self.settings, &spec, &paths, false).await {
             Ok(started) => started,
             Err(source) => {
                 supervisor::remove_files(&paths);
@@ -418,8 +464,11 @@ impl Daemon {
             }
         };
         let mut state = Self::state_from(&lock(&self.disks));
-        state.disks.push(spec.clone());
-        state.disks.sort_by(|a, b| a.id.cmp(&b.id));
+        state.disks.push(StoredDisk {
+            spec: spec.clone(),
+            lifecycle: DiskLifecycle::default(),
+        });
+        state.disks.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
         if let Err(e) = self.store.save(&state) {
             warn!(
                 "disk {}: persisting failed, stopping it again: {e}",
@@ -432,6 +481,7 @@ impl Daemon {
         let pid = fe.pid();
         let handle = DiskHandle::spawn(
             spec.clone(),
+            DiskLifecycle::default(),
             Arc::clone(&self.settings),
             self.events.clone(),
             Initial::Running(fe, status),
@@ -456,7 +506,7 @@ impl Daemon {
                 match admin::status(&disk.paths.admin_socket).await {
                     Ok(s) => s.vmm_connected,
                     // Cannot ask: trust the last poll.
-                    Err(_) => rt.state == DiskState::Connected,
+                    Err(_) => rt.status.is_some_and(|s| s.vmm_connected),
                 }
             } else {
                 false
@@ -468,7 +518,7 @@ impl Daemon {
         // Persist first: once the call returns the disk must not come back, even if blkplaned
         // dies while stopping it (a restart then sweeps what is left as an orphan).
         let mut state = Self::state_from(&lock(&self.disks));
-        state.disks.retain(|d| d.id != id);
+        state.disks.retain(|d| d.spec.id != id);
         self.store.save(&state)?;
         lock(&self.disks).remove(id);
         let pid = disk.runtime().pid;
@@ -481,7 +531,7 @@ impl Daemon {
     /// than reporting the last poll.
     async fn disk_info(&self, disk: &DiskHandle, fresh: bool) -> pb::Disk {
         let mut rt = disk.runtime();
-        if fresh && rt.pid != 0 && matches!(rt.state, DiskState::Ready | DiskState::Connected) {
+        if fresh && rt.pid != 0 && serving(rt.state) {
             match admin::status(&disk.paths.admin_socket).await {
                 Ok(s) => {
                     disk.record_status(&s);
@@ -490,6 +540,7 @@ impl Daemon {
                 Err(e) => rt.reason = format!("status unavailable: {e}"),
             }
         }
+        let blockers = disk.refresh_migration();
         let s = rt.status.unwrap_or_default();
         pb::Disk {
             config: Some(disk.spec.to_pb()),
@@ -505,6 +556,9 @@ impl Daemon {
             capacity_bytes: s.capacity_bytes,
             log_path: disk.paths.log_file.to_string_lossy().into_owned(),
             queues: s.queues,
+            drained: rt.lifecycle.drained,
+            migratable: blockers.is_empty(),
+            migration_blockers: blockers,
         }
     }
 
@@ -527,7 +581,7 @@ impl Daemon {
     /// The disk's admin socket if its frontend is running, else why not.
     fn running(&self, disk: &DiskHandle) -> Result<(), DaemonError> {
         let rt = disk.runtime();
-        if rt.pid == 0 || !matches!(rt.state, DiskState::Ready | DiskState::Connected) {
+        if rt.pid == 0 || !serving(rt.state) {
             return Err(DaemonError::NotRunning {
                 id: disk.spec.id.clone(),
                 state: state_name(rt.state),
@@ -542,6 +596,9 @@ impl Daemon {
         let disk = self.get_handle(id)?;
         validate::check_new_size(new_size, disk.spec.block_size)?;
         self.running(&disk)?;
+        if disk.runtime().lifecycle.drained {
+            return Err(DaemonError::Drained(id.to_string()));
+        }
         let admin_err = |source| DaemonError::Admin {
             id: id.to_string(),
             source,
@@ -611,6 +668,151 @@ impl Daemon {
         Ok(out)
     }
 
+    /// Drain: the disk's frontend stops popping requests, waits for those in flight and, with
+    /// `flush`, syncs the image. The drained state is persisted first, so that a frontend
+    /// restarted meanwhile starts drained; if the drain fails it is undone.
+    pub async fn drain(&self, id: &str, flush: bool) -> Result<pb::DrainDiskResponse, DaemonError> {
+        let disk = self.get_handle(id)?;
+        let _op = disk.lifecycle_op.lock().await;
+        self.running(&disk)?;
+        let was_drained = disk.runtime().lifecycle.drained;
+        self.change_lifecycle(&disk, |l| l.drained = true).await?;
+        let socket = &disk.paths.admin_socket;
+        match admin::drain(socket, flush).await {
+            Ok(done) => {
+                if let Ok(status) = admin::status(socket).await {
+                    disk.record_status(&status);
+                }
+                disk.push_blockers().await;
+                self.events.emit(
+                    EventKind::Drained,
+                    id,
+                    disk.runtime().pid,
+                    format!(
+                        "waited for {} requests in flight{}",
+                        done.waited_requests,
+                        if done.flushed { "; image synced" } else { "" }
+                    ),
+                );
+                Ok(pb::DrainDiskResponse {
+                    waited_requests: done.waited_requests,
+                    flushed: done.flushed,
+                })
+            }
+            Err(e) => {
+                if !was_drained {
+                    // The frontend may have drained before the failure (a timeout, a failed
+                    // sync): a disk the caller believes not drained must not hold requests.
+                    if let Err(r) = admin::resume(socket).await {
+                        warn!("disk {id}: undoing a failed drain: {r}");
+                    }
+                    if let Err(p) = self.change_lifecycle(&disk, |l| l.drained = false).await {
+                        warn!("disk {id}: undoing a failed drain: {p}");
+                    }
+                }
+                Err(frontend_error(id, e))
+            }
+        }
+    }
+
+    /// Resume: the disk is no longer drained (persisted), and its frontend, if it runs,
+    /// serves its rings again. A disk that is not drained is left as it is.
+    pub async fn resume(&self, id: &str) -> Result<(), DaemonError> {
+        let disk = self.get_handle(id)?;
+        let _op = disk.lifecycle_op.lock().await;
+        let was_drained = disk.runtime().lifecycle.drained;
+        if was_drained {
+            self.change_lifecycle(&disk, |l| l.drained = false).await?;
+        }
+        let rt = disk.runtime();
+        // A frontend that is not running starts undrained; one that does not answer now is
+        // resumed by the supervisor's next poll.
+        if rt.pid != 0 && serving(rt.state) {
+            let socket = &disk.paths.admin_socket;
+            admin::resume(socket)
+                .await
+                .map_err(|e| frontend_error(id, e))?;
+            if let Ok(status) = admin::status(socket).await {
+                disk.record_status(&status);
+            }
+            disk.push_blockers().await;
+        }
+        if was_drained {
+            self.events.emit(EventKind::Resumed, id, rt.pid, "");
+        }
+        Ok(())
+    }
+
+    /// The disk's migration status now.
+    fn migration_status(&self, disk: &DiskHandle) -> pb::MigrationStatus {
+        let blockers = disk.refresh_migration();
+        pb::MigrationStatus {
+            id: disk.spec.id.clone(),
+            migratable: blockers.is_empty(),
+            blockers,
+        }
+    }
+
+    /// AddMigrationBlocker: an operator blocker with `reason` (replacing the message of one
+    /// the disk has already), persisted, and sent to the frontend.
+    pub async fn add_migration_blocker(
+        &self,
+        id: &str,
+        reason: i32,
+        message: &str,
+    ) -> Result<pb::MigrationStatus, DaemonError> {
+        let disk = self.get_handle(id)?;
+        let reason = validate::check_operator_reason(reason)?;
+        validate::check_blocker_message(message)?;
+        let now = proc::unix_time_ms();
+        self.change_lifecycle(&disk, |l| {
+            match l.migration_blockers.iter_mut().find(|b| b.reason == reason) {
+                Some(b) if b.message == message => {}
+                Some(b) => {
+                    b.message = message.to_string();
+                    b.since_unix_ms = now;
+                }
+                None => l.migration_blockers.push(OperatorBlocker {
+                    reason,
+                    message: message.to_string(),
+                    since_unix_ms: now,
+                }),
+            }
+        })
+        .await?;
+        disk.push_blockers().await;
+        Ok(self.migration_status(&disk))
+    }
+
+    /// RemoveMigrationBlocker: the operator blocker with `reason` goes; NOT_FOUND if there is
+    /// none.
+    pub async fn remove_migration_blocker(
+        &self,
+        id: &str,
+        reason: i32,
+    ) -> Result<pb::MigrationStatus, DaemonError> {
+        let disk = self.get_handle(id)?;
+        let reason = validate::check_operator_reason(reason)?;
+        if !disk
+            .runtime()
+            .lifecycle
+            .migration_blockers
+            .iter()
+            .any(|b| b.reason == reason)
+        {
+            return Err(DaemonError::NoSuchBlocker {
+                id: id.to_string(),
+                reason: reason_name(from_operator(reason)),
+            });
+        }
+        self.change_lifecycle(&disk, |l| {
+            l.migration_blockers.retain(|b| b.reason != reason)
+        })
+        .await?;
+        disk.push_blockers().await;
+        Ok(self.migration_status(&disk))
+    }
+
     /// Waits until no disk is starting or restarting (or `timeout` passed); returns the
     /// disks as they are then.
     pub async fn settle(&self, timeout: Duration) -> Vec<pb::Disk> {
@@ -627,6 +829,21 @@ impl Daemon {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+}
+
+/// A failed admin call on behalf of an API call: the frontend's refusal is a precondition
+/// (FAILED_PRECONDITION), anything else means it did not answer (UNAVAILABLE).
+fn frontend_error(id: &str, e: AdminError) -> DaemonError {
+    match e {
+        AdminError::Refused(reason) => DaemonError::Refused {
+            id: id.to_string(),
+            reason,
+        },
+        source => DaemonError::Admin {
+            id: id.to_string(),
+            source,
+        },
     }
 }
 

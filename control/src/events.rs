@@ -106,6 +106,10 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Failed => "failed",
         EventKind::Adopted => "adopted",
         EventKind::Resized => "resized",
+        EventKind::Drained => "drained",
+        EventKind::Resumed => "resumed",
+        EventKind::BlockerAdded => "blocker_added",
+        EventKind::BlockerRemoved => "blocker_removed",
     }
 }
 

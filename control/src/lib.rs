@@ -16,6 +16,7 @@
 //! | [`validate`] | input validation, with messages that name the field |
 //! | [`admin`] | client of a frontend's admin channel |
 //! | [`events`] | the WatchEvents broadcast |
+//! | [`migration`] | migration blockers (automatic and the operator's) |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
 //! | [`proc`] | pidfds and /proc |
 //! | [`ctl`] | blkplanectl's output formats and argument parsing helpers |
@@ -26,6 +27,7 @@ pub mod admin;
 pub mod ctl;
 pub mod daemon;
 pub mod events;
+pub mod migration;
 pub mod proc;
 pub mod server;
 pub mod service;

@@ -232,7 +232,19 @@ mod tests {
         let fd = pidfd_open(pid).unwrap();
         assert!(!pidfd_exited(&fd));
         assert!(alive(pid));
-        let argv = cmdline(pid).unwrap();
+        // Right after fork the child may not have exec'd `sleep` yet: wait until it has.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let argv = loop {
+            let argv = cmdline(pid).unwrap_or_default();
+            if argv.last().is_some_and(|a| a == "10") {
+                break argv;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "sleep never exec'd: {argv:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
         assert_eq!(argv.last().unwrap(), "10");
         assert!(find_processes_with_arg(&OsString::from("10")).contains(&pid));
         pidfd_send_signal(&fd, libc::SIGKILL).unwrap();

@@ -11,9 +11,10 @@ use crate::daemon::{Daemon, DaemonError};
 use crate::events::EventStream;
 use crate::pb::control_server::Control;
 use crate::pb::{
-    AddDiskRequest, Disk, GetDiskRequest, GetStatsRequest, GetStatsResponse, ListDisksRequest,
-    ListDisksResponse, RemoveDiskRequest, RemoveDiskResponse, ResizeDiskRequest,
-    WatchEventsRequest,
+    AddDiskRequest, AddMigrationBlockerRequest, Disk, DrainDiskRequest, DrainDiskResponse,
+    GetDiskRequest, GetStatsRequest, GetStatsResponse, ListDisksRequest, ListDisksResponse,
+    MigrationStatus, RemoveDiskRequest, RemoveDiskResponse, RemoveMigrationBlockerRequest,
+    ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse, WatchEventsRequest,
 };
 use crate::validate::ValidationError;
 
@@ -39,8 +40,9 @@ pub fn to_status(e: DaemonError) -> Status {
             ValidationError::NotFound { .. } => Status::not_found(msg),
             ValidationError::AlreadyExists { .. } => Status::already_exists(msg),
         },
-        DaemonError::NotFound(_) => Status::not_found(msg),
+        DaemonError::NotFound(_) | DaemonError::NoSuchBlocker { .. } => Status::not_found(msg),
         DaemonError::VmmConnected(_)
+        | DaemonError::Drained(_)
         | DaemonError::NotRunning { .. }
         | DaemonError::Shrink { .. }
         | DaemonError::Refused { .. } => Status::failed_precondition(msg),
@@ -121,6 +123,64 @@ impl Control for ControlService {
         let id = request.into_inner().id;
         let disks = self.daemon.get_stats(&id).await.map_err(to_status)?;
         Ok(Response::new(GetStatsResponse { disks }))
+    }
+
+    async fn drain(
+        &self,
+        request: Request<DrainDiskRequest>,
+    ) -> Result<Response<DrainDiskResponse>, Status> {
+        let req = request.into_inner();
+        info!("Drain {:?} flush={}", req.id, req.flush);
+        let done = self
+            .daemon
+            .drain(&req.id, req.flush)
+            .await
+            .map_err(|e| logged("Drain", e))?;
+        Ok(Response::new(done))
+    }
+
+    async fn resume(
+        &self,
+        request: Request<ResumeDiskRequest>,
+    ) -> Result<Response<ResumeDiskResponse>, Status> {
+        let id = request.into_inner().id;
+        info!("Resume {id:?}");
+        self.daemon
+            .resume(&id)
+            .await
+            .map_err(|e| logged("Resume", e))?;
+        Ok(Response::new(ResumeDiskResponse {}))
+    }
+
+    async fn add_migration_blocker(
+        &self,
+        request: Request<AddMigrationBlockerRequest>,
+    ) -> Result<Response<MigrationStatus>, Status> {
+        let req = request.into_inner();
+        info!(
+            "AddMigrationBlocker {:?} reason {} {:?}",
+            req.id, req.reason, req.message
+        );
+        let status = self
+            .daemon
+            .add_migration_blocker(&req.id, req.reason, &req.message)
+            .await
+            .map_err(|e| logged("AddMigrationBlocker", e))?;
+        Ok(Response::new(status))
+    }
+
+    async fn remove_migration_blocker(
+        &self,
+        request: Request<RemoveMigrationBlockerRequest>,
+    ) -> Result<Response<MigrationStatus>, Status> {
+        let req = request.into_inner();
+        info!("RemoveMigrationBlocker {:?} reason {}", req.id, req.reason);
+        let status = self
+            .daemon
+            .remove_migration_blocker(&req.id, req.reason)
+            .await
+            .map_err(|e| logged("RemoveMigrationBlocker", e))?;
+        Ok(Response::new(status))
     }
 
     type WatchEventsStream = EventStream;

@@ -1,5 +1,5 @@
-//! The desired state: which disks exist and how they are configured, persisted as JSON in
-//! `STATE_DIR/state.json`.
+//! The desired state: which disks exist, how they are configured, and whether each is drained
+//! and blocked from migration by an operator, persisted as JSON in `STATE_DIR/state.json`.
 //!
 //! Every change is written atomically: a temp file in the same directory is written and
 //! fsynced, renamed over the old file, and the directory is fsynced, so that after a crash
@@ -147,13 +147,61 @@ impl DiskSpec {
     }
 }
 
+/// The reason of an operator's migration blocker, as stored (the OPERATOR_* values of the
+/// API's MigrationBlockerReason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OperatorReason {
+    /// A backup or snapshot of the image is running.
+    Backup,
+    /// Maintenance of the node or the storage.
+    Maintenance,
+    /// Anything else (the message says what).
+    Other,
+}
+
+/// An operator's migration blocker, persisted with its disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperatorBlocker {
+    /// Why.
+    pub reason: OperatorReason,
+    /// What the operator said.
+    pub message: String,
+    /// When it was added (or its message last replaced), in ms since the Unix epoch.
+    pub since_unix_ms: u64,
+}
+
+/// What the operator set on a disk besides its configuration; it changes while the disk runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskLifecycle {
+    /// The disk is drained (Drain) until Resume; a frontend started for it starts drained.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drained: bool,
+    /// Operator migration blockers, at most one per reason, in the order they were added.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migration_blockers: Vec<OperatorBlocker>,
+}
+
+/// One disk in the state file: its configuration and its lifecycle settings, side by side in
+/// one JSON object (a file written before the lifecycle existed reads as not drained, not
+/// blocked).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredDisk {
+    /// The configuration.
+    #[serde(flatten)]
+    pub spec: DiskSpec,
+    /// Drained, operator blockers.
+    #[serde(flatten)]
+    pub lifecycle: DiskLifecycle,
+}
+
 /// The content of the state file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct State {
     /// Format version ([`STATE_VERSION`]).
     pub version: u32,
     /// The disks, ordered by id.
-    pub disks: Vec<DiskSpec>,
+    pub disks: Vec<StoredDisk>,
 }
 
 impl Default for State {
@@ -208,7 +256,7 @@ impl StateStore {
                 found: state.version,
             });
         }
-        state.disks.sort_by(|a, b| a.id.cmp(&b.id));
+        state.disks.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
         Ok(state)
     }
 
@@ -285,6 +333,13 @@ mod tests {
         p
     }
 
+    fn stored(id: &str) -> StoredDisk {
+        StoredDisk {
+            spec: spec(id),
+            lifecycle: DiskLifecycle::default(),
+        }
+    }
+
     fn spec(id: &str) -> DiskSpec {
         DiskSpec {
             id: id.into(),
@@ -309,7 +364,7 @@ mod tests {
         assert_eq!(store.load().unwrap(), State::default());
         let state = State {
             version: STATE_VERSION,
-            disks: vec![spec("a"), spec("b")],
+            disks: vec![stored("a"), stored("b")],
         };
         store.save(&state).unwrap();
         assert!(store.exists());
@@ -317,7 +372,7 @@ mod tests {
         // Replacing leaves no temp file behind and the new content in place.
         let smaller = State {
             version: STATE_VERSION,
-            disks: vec![spec("b")],
+            disks: vec![stored("b")],
         };
         store.save(&smaller).unwrap();
         assert_eq!(store.load().unwrap(), smaller);
@@ -335,13 +390,48 @@ mod tests {
         let store = StateStore::new(&dir);
         let state = State {
             version: STATE_VERSION,
-            disks: vec![spec("a")],
+            disks: vec![stored("a")],
         };
         store.save(&state).unwrap();
         // A directory where the temp file goes makes the write fail before the rename.
         std::fs::create_dir(dir.join(format!(".{STATE_FILE}.tmp"))).unwrap();
         assert!(store.save(&State::default()).is_err());
         assert_eq!(store.load().unwrap(), state);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn lifecycle_is_stored_beside_the_config() {
+        let dir = tmp("lifecycle");
+        let store = StateStore::new(&dir);
+        let mut a = stored("a");
+        a.lifecycle = DiskLifecycle {
+            drained: true,
+            migration_blockers: vec![OperatorBlocker {
+                reason: OperatorReason::Backup,
+                message: "nightly".into(),
+                since_unix_ms: 5,
+            }],
+        };
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![a, stored("b")],
+        };
+        store.save(&state).unwrap();
+        assert_eq!(store.load().unwrap(), state);
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        assert!(text.contains("\"drained\": true"), "{text}");
+        assert!(text.contains("\"reason\": \"backup\""), "{text}");
+        // A disk with the defaults writes neither field, and a file without them (written by
+        // an older blkplaned) reads as not drained, not blocked.
+        assert_eq!(text.matches("drained").count(), 1, "{text}");
+        let old = r#"{"version": 1, "disks": [{"id": "x", "image": "/i", "num_queues": 1,
+            "queue_size": 256, "block_size": 512, "iothreads": 1, "cache": "direct",
+            "vhost_socket": "/s"}]}"#;
+        std::fs::write(store.path(), old).unwrap();
+        let loaded = store.load().unwrap();
+        assert_eq!(loaded.disks[0].lifecycle, DiskLifecycle::default());
+        assert_eq!(loaded.disks[0].spec.id, "x");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

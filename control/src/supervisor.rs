@@ -6,7 +6,7 @@
 //! for adopted processes (children of an earlier blkplaned, now of init). Our own children are
 //! reaped as soon as their pidfd says they exited, so no zombie is left.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ffi::OsString;
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -27,9 +27,10 @@ use tokio::task::JoinHandle;
 
 use crate::admin;
 use crate::events::EventBus;
-use crate::pb::{DiskState, EventKind};
+use crate::migration::{self, reason_name};
+use crate::pb::{self, DiskState, EventKind, MigrationBlockerReason};
 use crate::proc;
-use crate::state::DiskSpec;
+use crate::state::{DiskLifecycle, DiskSpec};
 
 /// When to give up on a crashing frontend, and how long to wait between restarts.
 #[derive(Debug, Clone)]
@@ -315,9 +316,10 @@ impl Frontend {
     }
 }
 
-/// The frontend's command line for `spec` (without the program). Options use the `--opt=value`
-/// form so that a value starting with '-' (a serial, say) is never taken for an option.
-pub fn frontend_args(spec: &DiskSpec, paths: &DiskPaths) -> Vec<OsString> {
+/// The frontend's command line for `spec` (without the program), starting drained if
+/// `drained`. Options use the `--opt=value` form so that a value starting with '-' (a serial,
+/// say) is never taken for an option.
+pub fn frontend_args(spec: &DiskSpec, paths: &DiskPaths, drained: bool) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut opt = |name: &str, value: &dyn AsRef<std::ffi::OsStr>| {
         let mut a = OsString::from(format!("--{name}="));
@@ -340,6 +342,9 @@ pub fn frontend_args(spec: &DiskSpec, paths: &DiskPaths) -> Vec<OsString> {
     }
     if spec.read_only {
         args.push("--read-only".into());
+    }
+    if drained {
+        args.push("--drained".into());
     }
     args
 }
@@ -405,13 +410,15 @@ fn read_pid_file(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-/// Starts a frontend for `spec` and waits until it serves: its admin channel answers with its
-/// pid and its vhost-user socket is listening. On failure nothing of it is left running, and
-/// its pid file and admin socket are removed (the log stays, for the caller to keep or drop).
+/// Starts a frontend for `spec` (drained from the start if `drained`: it serves no request
+/// until resumed) and waits until it serves: its admin channel answers with its pid and its
+/// vhost-user socket is listening. On failure nothing of it is left running, and its pid file
+/// and admin socket are removed (the log stays, for the caller to keep or drop).
 pub async fn start(
     settings: &Settings,
     spec: &DiskSpec,
     paths: &DiskPaths,
+    drained: bool,
 ) -> Result<(Frontend, FrontendStatus), StartError> {
     // A dead predecessor may have left its admin socket; ours must be fresh.
     remove_file(&paths.admin_socket);
@@ -424,7 +431,7 @@ pub async fn start(
             path: paths.log_file.clone(),
             source,
         })?;
-    let args = frontend_args(spec, paths);
+    let args = frontend_args(spec, paths, drained);
     let _ = writeln!(
         log,
         "--- blkplaned: starting {} {} (unix time {} ms)",
@@ -688,6 +695,27 @@ pub struct Runtime {
     pub restarts: u32,
     /// The last status the frontend reported.
     pub status: Option<FrontendStatus>,
+    /// What the operator set: drained, operator migration blockers. Persisted in the state;
+    /// the frontend is made to follow `drained`.
+    pub lifecycle: DiskLifecycle,
+    /// When blkplaned last restarted the frontend (not its first start), in ms since the
+    /// epoch; 0 if it never did.
+    pub restarted_unix_ms: u64,
+}
+
+/// Whether a frontend in `state` serves (the admin channel is expected to answer).
+pub fn serving(state: DiskState) -> bool {
+    matches!(
+        state,
+        DiskState::Ready | DiskState::Connected | DiskState::Drained
+    )
+}
+
+/// A migration blocker as last published: its message and since when it holds.
+#[derive(Debug, Clone)]
+struct Published {
+    message: String,
+    since_unix_ms: u64,
 }
 
 /// How the supervision of a disk begins.
@@ -710,12 +738,22 @@ pub struct DiskHandle {
     events: EventBus,
     stop_tx: watch::Sender<bool>,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// Held by Drain and Resume for their whole call, and by the poll while it makes the
+    /// frontend follow the desired drained state, so that they never cross.
+    pub lifecycle_op: tokio::sync::Mutex<()>,
+    /// The blockers last published, by reason number (their events were emitted).
+    published: Mutex<BTreeMap<i32, Published>>,
+    /// The blocker lines last sent to the frontend, and the pid that took them; the lock
+    /// orders the sends.
+    pushed: tokio::sync::Mutex<Option<(u32, Vec<String>)>>,
 }
 
 impl DiskHandle {
-    /// Starts supervising a disk; the task runs until [`DiskHandle::stop`].
+    /// Starts supervising a disk with its persisted `lifecycle`; the task runs until
+    /// [`DiskHandle::stop`].
     pub fn spawn(
         spec: DiskSpec,
+        lifecycle: DiskLifecycle,
         settings: Arc<Settings>,
         events: EventBus,
         initial: Initial,
@@ -737,11 +775,17 @@ impl DiskHandle {
                 pid,
                 restarts: 0,
                 status,
+                lifecycle,
+                restarted_unix_ms: 0,
             }),
             events: events.clone(),
             stop_tx,
             task: Mutex::new(None),
+            lifecycle_op: tokio::sync::Mutex::new(()),
+            published: Mutex::new(BTreeMap::new()),
+            pushed: tokio::sync::Mutex::new(None),
         });
+        disk.refresh_migration();
         let task = tokio::spawn(supervise(
             Arc::clone(&disk),
             settings,
@@ -764,11 +808,10 @@ impl DiskHandle {
     pub fn record_status(&self, status: &FrontendStatus) {
         let change = {
             let mut rt = lock(&self.runtime);
-            if rt.pid != status.pid || !matches!(rt.state, DiskState::Ready | DiskState::Connected)
-            {
+            if rt.pid != status.pid || !serving(rt.state) {
                 return;
             }
-            let was = rt.state == DiskState::Connected;
+            let was = rt.status.as_ref().is_some_and(|s| s.vmm_connected);
             rt.state = state_of(Some(status));
             rt.reason.clear();
             rt.status = Some(status.clone());
@@ -782,10 +825,99 @@ impl DiskHandle {
             };
             self.events.emit(kind, &self.spec.id, pid, "");
         }
+        self.refresh_migration();
     }
 
-    fn update(&self, f: impl FnOnce(&mut Runtime)) {
+    /// Changes the runtime state (and publishes what that changes about migration).
+    pub fn update(&self, f: impl FnOnce(&mut Runtime)) {
         f(&mut lock(&self.runtime));
+        self.refresh_migration();
+    }
+
+    /// The disk's migration blockers now, dated; blockers that appeared or went away since
+    /// the last call (or an operator blocker whose message changed) become events.
+    pub fn refresh_migration(&self) -> Vec<pb::MigrationBlocker> {
+        let rt = self.runtime();
+        let now = proc::unix_time_ms();
+        let current = migration::blockers(&rt, now);
+        let mut events = Vec::new();
+        let mut out = Vec::with_capacity(current.len());
+        {
+            let mut published = lock(&self.published);
+            let present: BTreeSet<i32> = current.iter().map(|b| b.reason as i32).collect();
+            published.retain(|reason, _| {
+                let keep = present.contains(reason);
+                if !keep {
+                    let name = MigrationBlockerReason::try_from(*reason)
+                        .map(reason_name)
+                        .unwrap_or("unknown");
+                    events.push((EventKind::BlockerRemoved, name.to_string()));
+                }
+                keep
+            });
+            for b in current {
+                let automatic = b.is_automatic();
+                let entry = published.entry(b.reason as i32);
+                let since = match entry {
+                    std::collections::btree_map::Entry::Occupied(mut e) => {
+                        let p = e.get_mut();
+                        // Automatic messages may say more as things go on (a restart's
+                        // delay); only an operator's new words are news.
+                        if !automatic && p.message != b.message {
+                            events.push((EventKind::BlockerAdded, b.line()));
+                        }
+                        p.message = b.message.clone();
+                        if let Some(since) = b.since_unix_ms {
+                            p.since_unix_ms = since;
+                        }
+                        p.since_unix_ms
+                    }
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        events.push((EventKind::BlockerAdded, b.line()));
+                        let since = b.since_unix_ms.unwrap_or(now);
+                        e.insert(Published {
+                            message: b.message.clone(),
+                            since_unix_ms: since,
+                        });
+                        since
+                    }
+                };
+                out.push(pb::MigrationBlocker {
+                    reason: b.reason as i32,
+                    message: b.message,
+                    automatic,
+                    since_unix_ms: since,
+                });
+            }
+        }
+        for (kind, message) in events {
+            self.events.emit(kind, &self.spec.id, rt.pid, message);
+        }
+        out
+    }
+
+    /// Sends the current blocker lines to the frontend if it does not have them yet (a new
+    /// frontend, or a change). Failures are left to the next poll.
+    pub async fn push_blockers(&self) {
+        let mut pushed = self.pushed.lock().await;
+        let rt = self.runtime();
+        if rt.pid == 0 || !serving(rt.state) {
+            return;
+        }
+        let lines: Vec<String> = migration::blockers(&rt, proc::unix_time_ms())
+            .iter()
+            .map(migration::Blocker::line)
+            .collect();
+        if pushed
+            .as_ref()
+            .is_some_and(|(pid, sent)| *pid == rt.pid && *sent == lines)
+        {
+            return;
+        }
+        match admin::set_migration_blockers(&self.paths.admin_socket, lines.clone()).await {
+            Ok(()) => *pushed = Some((rt.pid, lines)),
+            Err(e) => debug!("disk {}: sending migration blockers: {e}", self.spec.id),
+        }
     }
 
     /// Stops supervision: the frontend (if any) is stopped and its files removed. Returns
@@ -810,6 +942,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The disk state a running frontend's status implies.
 fn state_of(status: Option<&FrontendStatus>) -> DiskState {
     match status {
+        Some(s) if s.drained => DiskState::Drained,
         Some(s) if s.vmm_connected => DiskState::Connected,
         _ => DiskState::Ready,
     }
@@ -877,7 +1010,9 @@ async fn supervise(
                 });
                 // Not cancelled by a stop request: a start is bounded by start_timeout and
                 // cleans up after itself, while a dropped half-start could leave a process.
-                match start(&settings, &disk.spec, &disk.paths).await {
+                // A drained disk comes back drained: its frontend starts that way.
+                let drained = disk.runtime().lifecycle.drained;
+                match start(&settings, &disk.spec, &disk.paths, drained).await {
                     Ok((fe, status)) => {
                         let pid = fe.pid();
                         disk.update(|rt| {
@@ -886,6 +1021,7 @@ async fn supervise(
                             rt.state = state_of(Some(&status));
                             rt.reason.clear();
                             rt.status = Some(status);
+                            rt.restarted_unix_ms = proc::unix_time_ms();
                         });
                         events.emit(
                             EventKind::Restarted,
@@ -910,8 +1046,10 @@ async fn supervise(
             }
         };
 
-        // Running: watch for exit, stop requests and VMM connects/disconnects.
+        // Running: watch for exit, stop requests and VMM connects/disconnects. A new frontend
+        // learns its migration blockers at once, not at the first poll.
         let pid = fe.pid();
+        disk.push_blockers().await;
         let reason = loop {
             tokio::select! {
                 _ = stop_requested(&mut stop_rx) => {
@@ -928,7 +1066,10 @@ async fn supervise(
                 }
             }
         };
-        let was_connected = disk.runtime().state == DiskState::Connected;
+        let was_connected = disk
+            .runtime()
+            .status
+            .is_some_and(|s| s.vmm_connected && s.pid == pid);
         note_in_log(&disk.paths, &format!("frontend {pid} {reason}"));
         events.emit(EventKind::Exited, &id, pid, format!("frontend {reason}"));
         if was_connected {
@@ -1001,14 +1142,55 @@ async fn crashed(
     }
 }
 
-/// Reads the frontend's status; connects and disconnects become events.
+/// Reads the frontend's status; connects and disconnects become events. Then makes the
+/// frontend follow the desired state: drained or not (after an adoption, or a Drain or
+/// Resume that failed half-way), and the current migration blockers.
 async fn poll(disk: &DiskHandle) {
     match admin::status(&disk.paths.admin_socket).await {
-        Ok(status) => disk.record_status(&status),
+        Ok(status) => {
+            disk.record_status(&status);
+            follow_drained(disk, &status).await;
+            disk.push_blockers().await;
+        }
         Err(e) => {
             debug!("disk {}: status: {e}", disk.spec.id);
             disk.update(|rt| rt.reason = format!("status unavailable: {e}"));
         }
+    }
+}
+
+/// Drains or resumes the frontend when it is not as the disk's lifecycle wants it. Skipped
+/// while a Drain or Resume call is under way (it does the same, and reports it).
+async fn follow_drained(disk: &DiskHandle, status: &FrontendStatus) {
+    let Ok(_op) = disk.lifecycle_op.try_lock() else {
+        return;
+    };
+    let rt = disk.runtime();
+    if rt.pid != status.pid || rt.lifecycle.drained == status.drained {
+        return;
+    }
+    let id = &disk.spec.id;
+    let socket = &disk.paths.admin_socket;
+    let result = if rt.lifecycle.drained {
+        warn!(
+            "disk {id}: frontend {} is not drained as it should be; draining it",
+            rt.pid
+        );
+        admin::drain(socket, false).await.map(|_| ())
+    } else {
+        warn!(
+            "disk {id}: frontend {} is drained but should not be; resuming it",
+            rt.pid
+        );
+        admin::resume(socket).await
+    };
+    match result {
+        Ok(()) => {
+            if let Ok(status) = admin::status(socket).await {
+                disk.record_status(&status);
+            }
+        }
+        Err(e) => warn!("disk {id}: {e}"),
     }
 }
 
@@ -1080,7 +1262,7 @@ mod tests {
     #[test]
     fn command_line() {
         let paths = DiskPaths::new(Path::new("/run/bp/disks"), &spec());
-        let args: Vec<String> = frontend_args(&spec(), &paths)
+        let args: Vec<String> = frontend_args(&spec(), &paths, false)
             .into_iter()
             .map(|a| a.into_string().unwrap())
             .collect();
@@ -1101,6 +1283,8 @@ mod tests {
             ]
         );
         assert_eq!(identity_arg(&paths), "--admin-socket=/run/bp/disks/d.admin");
+        let drained = frontend_args(&spec(), &paths, true);
+        assert_eq!(drained.last().unwrap(), "--drained");
     }
 
     #[test]
@@ -1191,7 +1375,7 @@ mod tests {
         let mut s = spec();
         s.vhost_socket = dir.join("d.sock");
         let paths = DiskPaths::new(&dir, &s);
-        let err = start(&settings, &s, &paths).await.unwrap_err();
+        let err = start(&settings, &s, &paths, false).await.unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("exited with status 3"), "{msg}");
         assert!(msg.contains("cannot open image"), "{msg}");

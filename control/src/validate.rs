@@ -10,9 +10,10 @@ use std::path::{Component, Path, PathBuf};
 
 use thiserror::Error;
 
-use crate::pb::{AddDiskRequest, CacheMode};
+use crate::migration::{self, reason_name};
+use crate::pb::{AddDiskRequest, CacheMode, MigrationBlockerReason};
 use crate::proc;
-use crate::state::{Cache, DiskSpec};
+use crate::state::{Cache, DiskSpec, OperatorReason};
 
 /// Longest disk id.
 pub const MAX_ID_LEN: usize = 64;
@@ -34,6 +35,8 @@ pub const DEFAULT_QUEUE_SIZE: u16 = 256;
 pub const DEFAULT_BLOCK_SIZE: u32 = 512;
 /// Default number of iothreads.
 pub const DEFAULT_IOTHREADS: u16 = 1;
+/// Longest operator migration-blocker message, in bytes.
+pub const MAX_BLOCKER_MESSAGE: usize = 256;
 
 /// A rejected input. The message always starts with the field's name (as in the .proto).
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -508,6 +511,55 @@ pub fn check_new_size(new_size: u64, block_size: u32) -> Result<(), ValidationEr
     Ok(())
 }
 
+/// Checks the reason of an operator migration blocker: a MigrationBlockerReason value, and
+/// one of the operator's (the others are blkplaned's own).
+pub fn check_operator_reason(reason: i32) -> Result<OperatorReason, ValidationError> {
+    const F: &str = "reason";
+    let r = MigrationBlockerReason::try_from(reason)
+        .map_err(|_| invalid(F, format!("{reason} is not a MigrationBlockerReason value")))?;
+    if r == MigrationBlockerReason::Unspecified {
+        return Err(invalid(
+            F,
+            "must be set: operator_backup, operator_maintenance or operator_other",
+        ));
+    }
+    migration::to_operator(r).ok_or_else(|| {
+        invalid(
+            F,
+            format!(
+                "{} is set and cleared by blkplaned itself; operators use operator_backup, \
+                 operator_maintenance or operator_other",
+                reason_name(r)
+            ),
+        )
+    })
+}
+
+/// Checks an operator migration-blocker message: 1 to 256 bytes, no control characters (it
+/// ends up in logs and one-line event messages).
+pub fn check_blocker_message(message: &str) -> Result<(), ValidationError> {
+    const F: &str = "message";
+    if message.trim().is_empty() {
+        return Err(invalid(
+            F,
+            "must not be empty: say why the disk must not migrate",
+        ));
+    }
+    if message.len() > MAX_BLOCKER_MESSAGE {
+        return Err(invalid(
+            F,
+            format!(
+                "{} bytes; at most {MAX_BLOCKER_MESSAGE} are allowed",
+                message.len()
+            ),
+        ));
+    }
+    if let Some(c) = message.chars().find(|c| c.is_control()) {
+        return Err(invalid(F, format!("contains the control character {c:?}")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -806,6 +858,25 @@ mod tests {
         assert!(parse_cpu_list("-1").is_err());
         assert!(parse_cpu_list("2-1").is_err());
         assert!(parse_cpu_list("1,,2").is_err());
+    }
+
+    #[test]
+    fn blocker_input() {
+        assert_eq!(
+            check_operator_reason(MigrationBlockerReason::OperatorBackup as i32),
+            Ok(OperatorReason::Backup)
+        );
+        for bad in [0, 99, -1, MigrationBlockerReason::Draining as i32] {
+            assert_eq!(check_operator_reason(bad).unwrap_err().field(), "reason");
+        }
+        assert!(check_operator_reason(1)
+            .unwrap_err()
+            .to_string()
+            .contains("draining is set and cleared by blkplaned"));
+        assert_eq!(check_blocker_message("nightly backup of vd1"), Ok(()));
+        for bad in ["", "  ", "a\nb", &"x".repeat(257)] {
+            assert_eq!(check_blocker_message(bad).unwrap_err().field(), "message");
+        }
     }
 
     #[test]

@@ -1,8 +1,9 @@
-//! The admin channel: blkplaned's view into this frontend (status, statistics, resize), on the
-//! UNIX socket given by `--admin-socket`. Protocol in `proto/blkplane/v1/frontend.proto`.
+//! The admin channel: blkplaned's view into this frontend (status, statistics, resize, drain
+//! and resume, migration blockers), on the UNIX socket given by `--admin-socket`. Protocol in
+//! `proto/blkplane/v1/frontend.proto`.
 //!
 //! It runs on its own threads and only reads counters the workers keep, so nothing on this
-//! channel can slow down or block a request.
+//! channel can slow down or block a request — except a drain, whose purpose that is.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -14,12 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blkplane_proto::v1::{
-    frontend_request, frontend_response, DiskStats, FrontendRequest, FrontendResponse,
-    FrontendStatus, LatencyHistogram, QueueStats, QueueStatus, ResizeDone,
+    frontend_request, frontend_response, DiskStats, Drained, FrontendRequest, FrontendResponse,
+    FrontendStatus, LatencyHistogram, MigrationBlockersSet, QueueStats, QueueStatus, ResizeDone,
+    Resumed,
 };
 use log::{info, warn};
 use prost::Message;
 
+use crate::config::DiskConfig;
+use crate::lifecycle::dirty_logging_offered;
 use crate::stats::{bucket_upper_bound_us, DeviceStatus};
 
 /// Largest frame accepted, in bytes.
@@ -35,6 +39,25 @@ pub trait Resize: Send + Sync {
     fn capacity_bytes(&self) -> u64;
 }
 
+/// Drains and resumes the disk; implemented by the device (which owns the workers).
+pub trait Lifecycle: Send + Sync {
+    /// Stops popping requests, waits for those in flight, syncs the image if `flush`.
+    fn drain(&self, flush: bool) -> Result<Drained, String>;
+    /// Serves the rings again.
+    fn resume(&self) -> Result<(), String>;
+}
+
+/// What the admin channel answers from: the shared status and the operations it can run.
+#[derive(Clone)]
+pub struct Services {
+    /// Status and counters.
+    pub status: Arc<DeviceStatus>,
+    /// Resizing.
+    pub resize: Arc<dyn Resize>,
+    /// Drain and resume.
+    pub lifecycle: Arc<dyn Lifecycle>,
+}
+
 /// Why the admin socket could not be set up.
 #[derive(Debug, thiserror::Error)]
 #[error("admin socket {path}: {source}")]
@@ -44,11 +67,7 @@ pub struct AdminError {
 }
 
 /// Starts serving the admin channel on `path` (a stale socket file is replaced; mode 0600).
-pub fn serve(
-    path: &Path,
-    status: Arc<DeviceStatus>,
-    resize: Arc<dyn Resize>,
-) -> Result<(), AdminError> {
+pub fn serve(path: &Path, services: Services) -> Result<(), AdminError> {
     let error = |source| AdminError {
         path: path.to_owned(),
         source,
@@ -66,11 +85,10 @@ pub fn serve(
             for stream in listener.incoming() {
                 match stream {
                     Ok(stream) => {
-                        let status = Arc::clone(&status);
-                        let resize = Arc::clone(&resize);
+                        let services = services.clone();
                         let spawned = std::thread::Builder::new()
                             .name("admin-conn".into())
-                            .spawn(move || serve_connection(stream, &status, resize.as_ref()));
+                            .spawn(move || serve_connection(stream, &services));
                         if let Err(e) = spawned {
                             warn!("admin: cannot start a connection thread: {e}");
                         }
@@ -84,7 +102,7 @@ pub fn serve(
     Ok(())
 }
 
-fn serve_connection(mut stream: UnixStream, status: &DeviceStatus, resize: &dyn Resize) {
+fn serve_connection(mut stream: UnixStream, services: &Services) {
     let _ = stream.set_read_timeout(Some(IDLE_TIMEOUT));
     loop {
         let request = match read_frame(&mut stream) {
@@ -96,7 +114,7 @@ fn serve_connection(mut stream: UnixStream, status: &DeviceStatus, resize: &dyn 
             }
         };
         let response = match request {
-            Ok(request) => answer(request, status, resize),
+            Ok(request) => answer(request, services),
             Err(e) => frontend_response::Response::Error(format!("undecodable request: {e}")),
         };
         let frame = FrontendResponse {
@@ -141,21 +159,43 @@ pub fn write_frame(stream: &mut impl Write, frame: &[u8]) -> io::Result<()> {
     stream.flush()
 }
 
-fn answer(
-    request: FrontendRequest,
-    status: &DeviceStatus,
-    resize: &dyn Resize,
-) -> frontend_response::Response {
+fn answer(request: FrontendRequest, services: &Services) -> frontend_response::Response {
+    use frontend_request::Request;
     use frontend_response::Response;
+    let status = &services.status;
     match request.request {
-        Some(frontend_request::Request::Status(_)) => {
-            Response::Status(device_status(status, resize.capacity_bytes()))
+        Some(Request::Status(_)) => {
+            Response::Status(device_status(status, services.resize.capacity_bytes()))
         }
-        Some(frontend_request::Request::Stats(_)) => Response::Stats(disk_stats(status)),
-        Some(frontend_request::Request::Resize(r)) => match resize.resize(r.new_size_bytes) {
+        Some(Request::Stats(_)) => Response::Stats(disk_stats(status)),
+        // Growing the image is touching it, which a drain promises not to do.
+        Some(Request::Resize(_)) if status.drained.load(Ordering::Relaxed) => {
+            Response::Error("the disk is drained: resume it before resizing".into())
+        }
+        Some(Request::Resize(r)) => match services.resize.resize(r.new_size_bytes) {
             Ok(done) => Response::Resized(done),
             Err(e) => Response::Error(e),
         },
+        Some(Request::Drain(d)) => match services.lifecycle.drain(d.flush) {
+            Ok(done) => Response::Drained(done),
+            Err(e) => Response::Error(e),
+        },
+        Some(Request::Resume(_)) => match services.lifecycle.resume() {
+            Ok(()) => Response::Resumed(Resumed {}),
+            Err(e) => Response::Error(e),
+        },
+        Some(Request::SetMigrationBlockers(b)) => {
+            info!(
+                "migration blockers from blkplaned: {}",
+                if b.reasons.is_empty() {
+                    "none".to_string()
+                } else {
+                    b.reasons.join("; ")
+                }
+            );
+            status.set_migration_blockers(b.reasons);
+            Response::MigrationBlockersSet(MigrationBlockersSet {})
+        }
         None => Response::Error("empty request".into()),
     }
 }
@@ -188,6 +228,15 @@ pub fn device_status(status: &DeviceStatus, capacity_bytes: u64) -> FrontendStat
             })
             .collect(),
         pid: std::process::id(),
+        drained: status.drained.load(Ordering::Relaxed),
+        migration_blockers: status.migration_blockers(dirty_logging_offered()),
+        last_iothread_restart_unix_ms: status
+            .iothreads
+            .iter()
+            .map(|t| t.last_restart_unix_ms.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0),
+        offered_protocol_features: DiskConfig::protocol_features().bits(),
     }
 }
 
@@ -226,7 +275,11 @@ pub fn disk_stats(status: &DeviceStatus) -> DiskStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use blkplane_proto::v1::{ResizeRequest, StatsRequest, StatusRequest};
+    use blkplane_proto::v1::{
+        DrainRequest, ResizeRequest, ResumeRequest, SetMigrationBlockers, StatsRequest,
+        StatusRequest,
+    };
+    use std::sync::atomic::AtomicBool;
 
     struct FixedSize;
 
@@ -243,6 +296,30 @@ mod tests {
 
         fn capacity_bytes(&self) -> u64 {
             4096
+        }
+    }
+
+    /// Marks the shared status drained, as the device's quiescer does.
+    struct FakeLifecycle {
+        status: Arc<DeviceStatus>,
+        broken: AtomicBool,
+    }
+
+    impl Lifecycle for FakeLifecycle {
+        fn drain(&self, flush: bool) -> Result<Drained, String> {
+            if self.broken.load(Ordering::Relaxed) {
+                return Err("queue worker 0 is gone".into());
+            }
+            self.status.drained.store(true, Ordering::Relaxed);
+            Ok(Drained {
+                waited_requests: 3,
+                flushed: flush,
+            })
+        }
+
+        fn resume(&self) -> Result<(), String> {
+            self.status.drained.store(false, Ordering::Relaxed);
+            Ok(())
         }
     }
 
@@ -270,7 +347,16 @@ mod tests {
         let status = Arc::new(DeviceStatus::new(2, 1));
         status.vmm_connected.store(true, Ordering::Relaxed);
         status.queues[1].read_ops.store(7, Ordering::Relaxed);
-        serve(&path, Arc::clone(&status), Arc::new(FixedSize)).unwrap();
+        let lifecycle = Arc::new(FakeLifecycle {
+            status: Arc::clone(&status),
+            broken: AtomicBool::new(false),
+        });
+        let services = Services {
+            status: Arc::clone(&status),
+            resize: Arc::new(FixedSize),
+            lifecycle: Arc::clone(&lifecycle) as Arc<dyn Lifecycle>,
+        };
+        serve(&path, services).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         let mut stream = UnixStream::connect(&path).unwrap();
@@ -304,6 +390,65 @@ mod tests {
             call(&mut stream, frontend_request::Request::Resize(shrink)),
             frontend_response::Response::Error(_)
         ));
+        // Drain, status while drained, blockers, resume.
+        match call(
+            &mut stream,
+            frontend_request::Request::Drain(DrainRequest { flush: true }),
+        ) {
+            frontend_response::Response::Drained(d) => {
+                assert_eq!((d.waited_requests, d.flushed), (3, true));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let grow = ResizeRequest {
+            new_size_bytes: 8192,
+        };
+        match call(&mut stream, frontend_request::Request::Resize(grow)) {
+            frontend_response::Response::Error(e) => assert!(e.contains("drained"), "{e}"),
+            other => panic!("a drained disk was resized: {other:?}"),
+        }
+        let blockers = SetMigrationBlockers {
+            reasons: vec!["operator_maintenance: disk shelf swap".into()],
+        };
+        assert!(matches!(
+            call(
+                &mut stream,
+                frontend_request::Request::SetMigrationBlockers(blockers)
+            ),
+            frontend_response::Response::MigrationBlockersSet(_)
+        ));
+        match call(
+            &mut stream,
+            frontend_request::Request::Status(StatusRequest {}),
+        ) {
+            frontend_response::Response::Status(s) => {
+                assert!(s.drained);
+                assert_eq!(
+                    s.migration_blockers[0],
+                    "operator_maintenance: disk shelf swap"
+                );
+                assert!(s.migration_blockers[1].starts_with("draining: "));
+                assert_eq!(s.last_iothread_restart_unix_ms, 0);
+                assert_ne!(s.offered_protocol_features, 0);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(
+            call(
+                &mut stream,
+                frontend_request::Request::Resume(ResumeRequest {})
+            ),
+            frontend_response::Response::Resumed(_)
+        ));
+        assert!(!status.drained.load(Ordering::Relaxed));
+        lifecycle.broken.store(true, Ordering::Relaxed);
+        match call(
+            &mut stream,
+            frontend_request::Request::Drain(DrainRequest { flush: false }),
+        ) {
+            frontend_response::Response::Error(e) => assert!(e.contains("gone"), "{e}"),
+            other => panic!("unexpected {other:?}"),
+        }
         // A frame over the limit closes the connection instead of allocating it.
         stream.write_all(&(MAX_FRAME + 1).to_le_bytes()).unwrap();
         let mut rest = Vec::new();

@@ -194,6 +194,7 @@ impl DiskConfig {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::BACKEND_REQ
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
     }
 
     /// The config space as the guest reads it now.

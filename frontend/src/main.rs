@@ -6,10 +6,13 @@ mod admin;
 mod backend_channel;
 mod config;
 mod image;
+mod inflight;
 mod iothread;
+mod lifecycle;
 mod memory;
 mod request;
 mod resize;
+mod socket_lock;
 mod stats;
 mod vhost_user;
 mod worker;
@@ -30,6 +33,7 @@ use crate::backend_channel::BackendChannel;
 use crate::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
 use crate::image::{Image, ImageSpec};
 use crate::iothread::IothreadLink;
+use crate::lifecycle::Quiescer;
 use crate::resize::DiskResizer;
 use crate::stats::DeviceStatus;
 use crate::vhost_user::BlkBackend;
@@ -78,7 +82,14 @@ struct Args {
     /// The blkplane-iothread binary (default: next to this executable).
     #[arg(long)]
     iothread_binary: Option<PathBuf>,
+    /// Start drained: no request is served until a Resume on the admin channel (blkplaned
+    /// restarts the frontend of a drained disk this way).
+    #[arg(long, requires = "admin_socket")]
+    drained: bool,
 }
+
+/// How long a starting frontend waits for the processes of a previous one on the same socket.
+const SOCKET_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn parse_queue_size(s: &str) -> Result<u16, String> {
     let n: u16 = s.parse().map_err(|e| format!("{e}"))?;
@@ -139,6 +150,10 @@ fn run(args: Args) -> Result<(), String> {
             .with_file_name("blkplane-iothread"),
     };
     let image = Arc::new(image);
+    // Before any iothread exists (they inherit it) and before the socket listens: a crashed
+    // predecessor's iothreads must be gone before its requests are resubmitted.
+    let _socket_lock =
+        socket_lock::acquire(&args.socket, SOCKET_LOCK_TIMEOUT).map_err(|e| e.to_string())?;
     // More iothreads than queues would idle.
     let iothreads = args.iothreads.min(args.num_queues);
     let status = Arc::new(DeviceStatus::new(args.num_queues, iothreads));
@@ -178,13 +193,29 @@ fn run(args: Args) -> Result<(), String> {
         Arc::clone(&backend_channel),
         workers,
     )));
+    let quiescer = Arc::new(Quiescer::new(
+        Arc::clone(&backend),
+        Arc::clone(&image),
+        Arc::clone(&status),
+    ));
+    if args.drained {
+        // Before the socket listens: no VMM can have had a request served.
+        quiescer
+            .drain(false)
+            .map_err(|e| format!("starting drained: {e}"))?;
+    }
     if let Some(path) = &args.admin_socket {
         let resizer = DiskResizer::new(
             Arc::clone(&disk),
             Arc::clone(&image),
             Arc::clone(&backend_channel),
         );
-        admin::serve(path, Arc::clone(&status), Arc::new(resizer)).map_err(|e| e.to_string())?;
+        let services = admin::Services {
+            status: Arc::clone(&status),
+            resize: Arc::new(resizer),
+            lifecycle: quiescer,
+        };
+        admin::serve(path, services).map_err(|e| e.to_string())?;
     }
     let listener = Listener::new(&args.socket, true)
         .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;

@@ -6,6 +6,7 @@
 //! from a few requests apart, which is fine for statistics.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use blkplane_proto::ring::Opcode;
@@ -134,6 +135,8 @@ pub struct IothreadStatus {
     pub pid: AtomicU32,
     /// How often it was replaced.
     pub restarts: AtomicU64,
+    /// When it was last replaced, in ms since the Unix epoch (0: never).
+    pub last_restart_unix_ms: AtomicU64,
 }
 
 /// Everything the admin channel reports, shared by the vhost-user thread, the workers and the
@@ -150,6 +153,17 @@ pub struct DeviceStatus {
     pub acked_features: AtomicU64,
     /// Acknowledged protocol features.
     pub acked_protocol_features: AtomicU64,
+    /// The disk is drained: no worker pops a request until it is resumed.
+    pub drained: AtomicBool,
+    /// The migration blockers blkplaned sent (SetMigrationBlockers). Read and written on the
+    /// control path only (admin channel, SET_FEATURES, SET_LOG_BASE), never per request.
+    migration_blockers: Mutex<Vec<String>>,
+}
+
+/// The prefix of a blocker line that names its reason (`"draining: …"` → `"draining:"`), so
+/// that the frontend's own blockers are not listed twice when blkplaned sent the same reason.
+fn reason_prefix(line: &str) -> Option<&str> {
+    line.find(':').map(|end| &line[..=end])
 }
 
 impl DeviceStatus {
@@ -161,7 +175,47 @@ impl DeviceStatus {
             vmm_connected: AtomicBool::new(false),
             acked_features: AtomicU64::new(0),
             acked_protocol_features: AtomicU64::new(0),
+            drained: AtomicBool::new(false),
+            migration_blockers: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Replaces blkplaned's list of migration blockers.
+    pub fn set_migration_blockers(&self, reasons: Vec<String>) {
+        *self
+            .migration_blockers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = reasons;
+    }
+
+    /// Every reason dirty logging must be refused now: blkplaned's list, then the frontend's
+    /// own (`dirty_logging_offered`: whether this frontend offers LOG_SHMFD at all), each
+    /// unless blkplaned already gave the same reason.
+    pub fn migration_blockers(&self, dirty_logging_offered: bool) -> Vec<String> {
+        let mut all = self
+            .migration_blockers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut own = Vec::new();
+        if self.drained.load(Ordering::Relaxed) {
+            own.push("draining: the disk is drained until it is resumed".to_string());
+        }
+        if !dirty_logging_offered {
+            own.push(
+                "unsupported_feature: dirty logging is not implemented: this frontend does \
+                 not offer VHOST_USER_PROTOCOL_F_LOG_SHMFD or VHOST_F_LOG_ALL, so the guest \
+                 pages it writes could not be tracked during a migration"
+                    .to_string(),
+            );
+        }
+        for line in own {
+            let prefix = reason_prefix(&line);
+            if !all.iter().any(|l| reason_prefix(l) == prefix) {
+                all.push(line);
+            }
+        }
+        all
     }
 
     /// The counters of device queue `index`.
@@ -209,5 +263,31 @@ mod tests {
         q.rejected(false);
         assert_eq!(q.rejected.load(Ordering::Relaxed), 2);
         assert_eq!(q.errors.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn migration_blockers_combine_without_duplicates() {
+        let status = DeviceStatus::new(1, 1);
+        assert!(status.migration_blockers(true).is_empty());
+        let own = status.migration_blockers(false);
+        assert_eq!(own.len(), 1);
+        assert!(own[0].starts_with("unsupported_feature: "), "{own:?}");
+        status.drained.store(true, Ordering::Relaxed);
+        status.set_migration_blockers(vec![
+            "operator_backup: nightly backup".into(),
+            "draining: drained by blkplaned".into(),
+        ]);
+        // blkplaned's own wording wins for a reason both know; the frontend adds the rest.
+        assert_eq!(
+            status.migration_blockers(false),
+            [
+                "operator_backup: nightly backup",
+                "draining: drained by blkplaned",
+                own[0].as_str(),
+            ]
+        );
+        status.set_migration_blockers(Vec::new());
+        status.drained.store(false, Ordering::Relaxed);
+        assert!(status.migration_blockers(true).is_empty());
     }
 }

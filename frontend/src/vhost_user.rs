@@ -28,6 +28,8 @@ use virtio_queue::{Queue, QueueT};
 
 use crate::backend_channel::BackendChannel;
 use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
+use crate::inflight::{self, InflightRegion};
+use crate::lifecycle;
 use crate::memory::{MemoryTable, RegionDescriptor};
 use crate::stats::DeviceStatus;
 use crate::worker::{Command, VringStart, WorkerHandle};
@@ -58,6 +60,9 @@ pub struct BlkBackend {
     acked_protocol_features: u64,
     memory: Arc<MemoryTable>,
     vrings: Vec<VringSetup>,
+    /// The inflight region of this session (GET_INFLIGHT_FD / SET_INFLIGHT_FD), used by the
+    /// rings started after it was set.
+    inflight: Option<Arc<InflightRegion>>,
 }
 
 fn invalid(what: &str) -> VhostError {
@@ -90,7 +95,13 @@ impl BlkBackend {
             acked_protocol_features: 0,
             memory: Arc::new(MemoryTable::empty()),
             vrings,
+            inflight: None,
         }
+    }
+
+    /// The queue workers (for drain and resume, which pause and resume all of them).
+    pub fn workers(&self) -> &[WorkerHandle] {
+        &self.workers
     }
 
     fn worker_for(&self, queue: u16) -> VhostResult<&WorkerHandle> {
@@ -119,6 +130,7 @@ impl BlkBackend {
         let memory = Arc::clone(&self.memory);
         let max_size = self.disk.queue_size;
         let implicit_enable = !self.protocol_features_negotiated();
+        let inflight_region = self.inflight_region();
         let vring = self.vring(u32::from(index))?;
         if vring.running || vring.kick.is_none() || !vring.addresses_set {
             return Ok(());
@@ -162,6 +174,10 @@ impl BlkBackend {
             .used_idx(mem, std::sync::atomic::Ordering::Acquire)
             .map_err(handler_error)?;
         queue.set_next_used(used_idx.0);
+        let (inflight, recovered) = match inflight_region {
+            Some(region) => track_inflight(&region, index, &mut queue, mem, used_idx.0)?,
+            None => (None, inflight::Recovered::default()),
+        };
         let kick = vring
             .kick
             .as_ref()
@@ -174,6 +190,9 @@ impl BlkBackend {
             kick,
             call: clone(&vring.call),
             err: clone(&vring.err),
+            inflight,
+            reconnected: recovered.next_avail.is_some(),
+            resubmit: recovered.resubmit,
         });
         vring.running = true;
         self.worker_for(index)?
@@ -184,6 +203,21 @@ impl BlkBackend {
             })
             .map_err(handler_error)?;
         Ok(())
+    }
+
+    /// The session's inflight region, when INFLIGHT_SHMFD was negotiated and the VMM set one.
+    fn inflight_region(&self) -> Option<Arc<InflightRegion>> {
+        let negotiated =
+            self.acked_protocol_features & VhostUserProtocolFeatures::INFLIGHT_SHMFD.bits() != 0;
+        self.inflight.as_ref().filter(|_| negotiated).cloned()
+    }
+
+    /// The largest inflight region a VMM may ask for: this device's queues and ring size.
+    fn inflight_limits(&self) -> inflight::Limits {
+        inflight::Limits {
+            max_queues: self.disk.num_queues,
+            max_queue_size: self.disk.queue_size,
+        }
     }
 
     /// Stops a ring after its in-flight requests complete; remembers where it stopped.
@@ -237,11 +271,13 @@ impl BlkBackend {
     /// draining) and forgotten, virtio features and the guest's write-cache setting back to
     /// their defaults. What belongs to the vhost-user session stays: guest memory, protocol
     /// features and the back-end channel, which the VMM does not send again (the guest driver
-    /// resets the device at every probe and reboot).
-    pub fn reset_device_state(&mut self) {
+    /// resets the device at every probe and reboot). Returns whether every ring stopped.
+    pub fn reset_device_state(&mut self) -> bool {
+        let mut stopped = true;
         for index in 0..self.disk.num_queues {
             if let Err(e) = self.stop(index) {
                 warn!("reset: stopping queue {index}: {e}");
+                stopped = false;
             }
         }
         self.vrings = (0..self.disk.num_queues)
@@ -250,6 +286,20 @@ impl BlkBackend {
         self.acked_features = 0;
         self.status.acked_features.store(0, Ordering::Relaxed);
         self.disk.reset_writeback();
+        stopped
+    }
+
+    /// A reset by the VMM (RESET_DEVICE, RESET_OWNER): the driver abandons its rings, so marks
+    /// left in the inflight region (heads of a ring the guest broke, never used) must not be
+    /// resubmitted into the rings it sets up next. Kept when a ring could not be stopped, as
+    /// its requests may still complete. (A disconnect keeps them: the VMM may reconnect with
+    /// the same region and rings, and the drained region then tells the true avail position
+    /// even if the VMM read the used index before the drain finished.)
+    fn reset_by_vmm(&mut self) {
+        let stopped = self.reset_device_state();
+        if let (true, Some(region)) = (stopped, &self.inflight) {
+            region.forget();
+        }
     }
 
     /// The VMM disconnected: reset the device and end the session — memory released,
@@ -257,6 +307,8 @@ impl BlkBackend {
     pub fn disconnect(&mut self) {
         self.reset_device_state();
         self.acked_protocol_features = 0;
+        // The region belongs to the session; a reconnecting VMM sends it again.
+        self.inflight = None;
         self.backend_channel.clear();
         self.status
             .acked_protocol_features
@@ -278,6 +330,39 @@ fn region_descriptor(region: &VhostUserMemoryRegion) -> RegionDescriptor {
     }
 }
 
+/// Attaches queue `index`'s part of the inflight region to a ring about to start, and
+/// recovers what a crashed predecessor left in flight: the ring then goes on after those
+/// requests (which the worker resubmits first), whatever SET_VRING_BASE said — QEMU sends the
+/// used index there when the back-end died, as it could not ask for the real one.
+fn track_inflight(
+    region: &Arc<InflightRegion>,
+    index: u16,
+    queue: &mut Queue,
+    mem: &vm_memory::GuestMemoryMmap,
+    used_idx: u16,
+) -> VhostResult<(Option<inflight::QueueInflight>, inflight::Recovered)> {
+    let refuse = |e: inflight::InflightError| invalid(&format!("queue {index}: inflight: {e}"));
+    let mut tracker = region.queue(index).map_err(refuse)?;
+    let avail_idx = queue
+        .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+        .map_err(handler_error)?;
+    let recovered = tracker
+        .recover(queue.size(), used_idx, avail_idx.0)
+        .map_err(refuse)?;
+    if let Some(next_avail) = recovered.next_avail {
+        queue.set_next_avail(next_avail);
+    }
+    if !recovered.resubmit.is_empty() || recovered.completed_batch > 0 {
+        info!(
+            "queue {index}: reconnected at used index {used_idx}: {} requests were in flight \
+             (resubmitted first), {} were used but not yet cleared",
+            recovered.resubmit.len(),
+            recovered.completed_batch
+        );
+    }
+    Ok((Some(tracker), recovered))
+}
+
 fn queue_index(index: u32) -> VhostResult<u16> {
     u16::try_from(index).map_err(|_| invalid(&format!("queue index {index}")))
 }
@@ -288,12 +373,12 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn reset_owner(&mut self) -> VhostResult<()> {
-        self.reset_device_state();
+        self.reset_by_vmm();
         Ok(())
     }
 
     fn reset_device(&mut self) -> VhostResult<()> {
-        self.reset_device_state();
+        self.reset_by_vmm();
         Ok(())
     }
 
@@ -302,6 +387,12 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn set_features(&mut self, features: u64) -> VhostResult<()> {
+        // A VMM starts dirty logging (migration) with LOG_ALL: refused while blocked, with
+        // the reasons logged, before the "not offered" check that would hide them.
+        if features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0 {
+            lifecycle::check_dirty_logging(&self.status, "VHOST_F_LOG_ALL")
+                .map_err(handler_error)?;
+        }
         let unknown = features & !self.disk.features();
         if unknown != 0 {
             return Err(invalid(&format!("features {unknown:#x} were not offered")));
@@ -471,17 +562,39 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
 
     fn get_inflight_fd(
         &mut self,
-        _inflight: &VhostUserInflight,
+        request: &VhostUserInflight,
     ) -> VhostResult<(VhostUserInflight, File)> {
-        Err(VhostError::InvalidOperation(
-            "INFLIGHT_SHMFD is not offered yet",
-        ))
+        let (region, file) = InflightRegion::create(
+            request.num_queues,
+            request.queue_size,
+            self.inflight_limits(),
+        )
+        .map_err(|e| invalid(&format!("GET_INFLIGHT_FD: {e}")))?;
+        let reply =
+            VhostUserInflight::new(region.size(), 0, request.num_queues, request.queue_size);
+        info!("inflight region created: {region:?}");
+        // Used from now on, as libvhost-user does; QEMU also sends it back with
+        // SET_INFLIGHT_FD before it starts the rings.
+        self.inflight = Some(Arc::new(region));
+        Ok((reply, file))
     }
 
-    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VhostResult<()> {
-        Err(VhostError::InvalidOperation(
-            "INFLIGHT_SHMFD is not offered yet",
-        ))
+    fn set_inflight_fd(&mut self, request: &VhostUserInflight, file: File) -> VhostResult<()> {
+        let region = InflightRegion::open(
+            &file,
+            request.mmap_size,
+            request.mmap_offset,
+            request.num_queues,
+            request.queue_size,
+            self.inflight_limits(),
+        )
+        .map_err(|e| invalid(&format!("SET_INFLIGHT_FD: {e}")))?;
+        // Rings already running keep the region they started with (their worker holds it);
+        // rings started from now on use this one. The descriptor itself is not needed: the
+        // mapping keeps the memory.
+        info!("inflight region set: {region:?}");
+        self.inflight = Some(Arc::new(region));
+        Ok(())
     }
 
     fn get_max_mem_slots(&mut self) -> VhostResult<u64> {
@@ -532,6 +645,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VhostResult<()> {
+        lifecycle::check_dirty_logging(&self.status, "SET_LOG_BASE").map_err(handler_error)?;
         Err(VhostError::InvalidOperation("LOG_SHMFD is not offered yet"))
     }
 }

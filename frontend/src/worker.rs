@@ -29,6 +29,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::DiskConfig;
+use crate::inflight::QueueInflight;
 use crate::iothread::IothreadLink;
 use crate::memory::MemoryTable;
 use crate::request::{self, ChainError, Rejected, RequestKind, SegmentSink};
@@ -52,6 +53,14 @@ pub struct VringStart {
     pub call: Option<File>,
     /// The error eventfd, signalled when the ring is found broken.
     pub err: Option<File>,
+    /// This ring's part of the inflight region (INFLIGHT_SHMFD), when the VMM set one.
+    pub inflight: Option<QueueInflight>,
+    /// Heads a crashed predecessor had in flight, oldest first: served before anything new
+    /// from the avail ring (see [`QueueInflight::recover`]).
+    pub resubmit: Vec<u16>,
+    /// The ring resumes after a reconnect: the guest may have missed an interrupt for used
+    /// entries the predecessor published, so one is sent when the ring starts.
+    pub reconnected: bool,
 }
 
 /// Requests from the vhost-user thread to a worker; each carries its reply channel.
@@ -88,6 +97,20 @@ pub enum Command {
         memory: Arc<MemoryTable>,
         /// Whether the iothread took it.
         reply: Sender<Result<(), String>>,
+    },
+    /// Drain: stop popping requests (new ones stay in the avail rings; kicks are consumed
+    /// and every ring is re-read on resume), wait until every request in flight has
+    /// completed — through iothread restarts — and reply with how many that were. Rings
+    /// started while paused are not served until [`Command::Resume`].
+    Pause {
+        /// Requests that were in flight when the pause began.
+        reply: Sender<u64>,
+    },
+    /// End a pause: process every ring (requests may have arrived meanwhile) and serve them
+    /// again. A worker that is not paused just acknowledges.
+    Resume {
+        /// Acknowledgement.
+        reply: Sender<()>,
     },
 }
 
@@ -134,6 +157,7 @@ impl WorkerHandle {
             commands: receiver,
             wake: wake.try_clone()?,
             rejections: 0,
+            paused: false,
         };
         worker.scratch.reserve(
             usize::from(worker.disk.queue_size) + usize::from(request::MAX_INDIRECT_DESCRIPTORS),
@@ -152,6 +176,18 @@ impl WorkerHandle {
             wake,
             _thread: thread,
         })
+    }
+
+    /// Sends a command built around a fresh reply channel without waiting: the reply comes
+    /// on the returned receiver (so that several workers can work on a command at once).
+    pub fn post<R>(
+        &self,
+        make: impl FnOnce(Sender<R>) -> Command,
+    ) -> Result<Receiver<R>, WorkerGone> {
+        let (reply, answer) = mpsc::channel();
+        self.commands.send(make(reply)).map_err(|_| WorkerGone)?;
+        self.wake.write(1).map_err(|_| WorkerGone)?;
+        Ok(answer)
     }
 
     /// Sends a command built around a fresh reply channel and waits for the reply.
@@ -198,6 +234,10 @@ struct RunningQueue {
     in_flight: u32,
     notify: bool,
     broken: bool,
+    /// Inflight tracking: marked when a head is popped, cleared when it is used.
+    inflight: Option<QueueInflight>,
+    /// Heads to resubmit before popping anything new (empty once done).
+    resubmit: Vec<u16>,
 }
 
 struct Worker {
@@ -219,6 +259,9 @@ struct Worker {
     commands: Receiver<Command>,
     wake: EventFd,
     rejections: u32,
+    /// Drained ([`Command::Pause`]): no request is popped until [`Command::Resume`]. Only
+    /// this thread reads it, once per batch.
+    paused: bool,
 }
 
 /// Writes a parsed request's segments straight into its ring slot.
@@ -354,7 +397,18 @@ impl Worker {
                         kick,
                         call,
                         err,
+                        inflight,
+                        resubmit,
+                        reconnected,
                     } = *vring;
+                    if reconnected {
+                        // Used entries a crashed predecessor published may never have been
+                        // signalled; a spurious interrupt is harmless, a missing one hangs
+                        // the guest.
+                        if let Some(call) = &call {
+                            signal(call);
+                        }
+                    }
                     if let Err(e) = self.watch(kick.as_raw_fd(), local as u64) {
                         error!(
                             "worker {}: cannot watch kick fd of queue {queue}: {e}",
@@ -370,10 +424,13 @@ impl Worker {
                             in_flight: 0,
                             notify: false,
                             broken: false,
+                            inflight,
+                            resubmit,
                         });
                     }
                     self.set_queue_flags(local, true, false);
-                    // The driver may have queued requests before the ring started.
+                    // The driver may have queued requests before the ring started; a
+                    // predecessor's requests in flight are resubmitted first.
                     self.process_queue(local);
                     self.flush_submissions();
                     self.notify_guests();
@@ -398,6 +455,25 @@ impl Worker {
                     self.memory = memory;
                 }
                 let _ = reply.send(result);
+            }
+            Command::Pause { reply } => {
+                self.paused = true;
+                let waited = u64::from(self.in_flight);
+                self.wait_until(|w| w.in_flight == 0);
+                let _ = reply.send(waited);
+            }
+            Command::Resume { reply } => {
+                if self.paused {
+                    self.paused = false;
+                    // Kicks that came while paused were consumed without popping: read every
+                    // ring now (an empty one costs a look at its avail index).
+                    for local in 0..self.queues.len() {
+                        self.process_queue(local);
+                    }
+                    self.flush_submissions();
+                    self.notify_guests();
+                }
+                let _ = reply.send(());
             }
         }
     }
@@ -455,8 +531,13 @@ impl Worker {
     /// Pops and handles every available chain of a ring, re-checking after re-enabling
     /// notifications so that no request slips between the last pop and the re-enable.
     fn process_queue(&mut self, local: usize) {
+        // Drained: the requests stay in the avail ring; Resume reads every ring again.
+        if self.paused {
+            return;
+        }
         let memory = Arc::clone(&self.memory);
         let mem = memory.guest_memory();
+        self.resubmit_inflight(local, &memory);
         loop {
             let Some(Some(rq)) = self.queues.get_mut(local) else {
                 return;
@@ -492,6 +573,30 @@ impl Worker {
         }
     }
 
+    /// Handles the heads a crashed predecessor had in flight (once, on the first look at the
+    /// ring), before anything new is popped: their avail entries were consumed already, and
+    /// reads and writes are idempotent, so running them again is what completes them.
+    fn resubmit_inflight(&mut self, local: usize, memory: &MemoryTable) {
+        let Some(Some(rq)) = self.queues.get_mut(local) else {
+            return;
+        };
+        if rq.resubmit.is_empty() {
+            return;
+        }
+        let heads = std::mem::take(&mut rq.resubmit);
+        let queue = self.queue_ids.get(local).copied().unwrap_or(u16::MAX);
+        info!(
+            "queue {queue}: resubmitting {} requests in flight before the reconnect",
+            heads.len()
+        );
+        for head in heads {
+            self.handle_chain(local, head, memory);
+            if matches!(self.queues.get(local), Some(Some(rq)) if rq.broken) {
+                return;
+            }
+        }
+    }
+
     fn handle_chain(&mut self, local: usize, head: u16, memory: &MemoryTable) {
         let mem = memory.guest_memory();
         let Some(Some(rq)) = self.queues.get(local) else {
@@ -499,20 +604,34 @@ impl Worker {
         };
         let desc_table = GuestAddress(rq.queue.desc_table());
         let size = rq.queue.size();
+        if head >= size {
+            // Not a chain we can return: the guest breaks the ring.
+            return self.break_queue(local, "avail ring names a head outside the table");
+        }
+        // Checked before anything completes the head: completing it would return the chain
+        // that is still in flight.
+        let slot = local as u32 * u32::from(self.disk.queue_size) + u32::from(head);
+        if self.slots.get(slot as usize).is_none_or(|s| s.in_flight) {
+            return self.break_queue(local, "driver made an in-flight head available again");
+        }
+        // From here on every path ends in add_used (at once or after the iothread); until
+        // then a crash leaves the head marked and the next process resubmits it.
+        if let Some(Some(RunningQueue {
+            inflight: Some(tracker),
+            ..
+        })) = self.queues.get_mut(local)
+        {
+            tracker.mark(head);
+        }
         match request::collect_chain(mem, desc_table, size, head, &mut self.scratch) {
             Ok(()) => {}
             Err(ChainError::HeadOutOfRange(_)) => {
-                // Not a chain we can return: the guest breaks the ring.
                 return self.break_queue(local, "avail ring names a head outside the table");
             }
             Err(e) => {
                 self.note_rejection(local, &e.to_string(), false);
                 return self.complete_now(local, head, None, 0, mem);
             }
-        }
-        let slot = local as u32 * u32::from(self.disk.queue_size) + u32::from(head);
-        if self.slots.get(slot as usize).is_none_or(|s| s.in_flight) {
-            return self.break_queue(local, "driver made an in-flight head available again");
         }
         let mut sink = SlotSink {
             slots: &self.link.slots,
@@ -631,8 +750,17 @@ impl Worker {
         let Some(Some(rq)) = self.queues.get_mut(local) else {
             return;
         };
+        if let Some(tracker) = &rq.inflight {
+            tracker.before_used(head);
+        }
         match rq.queue.add_used(mem, head, used_len) {
-            Ok(()) => rq.notify = true,
+            Ok(()) => {
+                rq.notify = true;
+                // After the used index store (add_used's Release store): see inflight.rs.
+                if let Some(tracker) = &rq.inflight {
+                    tracker.after_used(head, rq.queue.next_used());
+                }
+            }
             Err(e) => self.break_queue(local, &e.to_string()),
         }
     }
@@ -784,6 +912,13 @@ impl Worker {
             iothread
                 .restarts
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // blkplaned blocks migration for a while after a replacement.
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            iothread
+                .last_restart_unix_ms
+                .store(now_ms, std::sync::atomic::Ordering::Relaxed);
         }
         if let Some(fd) = self.link.control_fd() {
             if let Err(e) = self.watch(fd, TOKEN_IOTHREAD) {

@@ -7,6 +7,11 @@
 #   BLKPLANE-BOOT <n>                    this is boot n (1, or 2 after the reboot)
 #   BLKPLANE-CHECK ok <name> <detail>    a check passed
 #   BLKPLANE-CHECK fail <name> <detail>  a check failed
+#   BLKPLANE-HOST <action>               the host is to act now (crash-frontend: kill -9 of the
+#                                        read-write disk's frontend and a restart;
+#                                        crash-iothread: kill -9 of one of its iothreads;
+#                                        drain: drain it with flush, check that nothing
+#                                        completes or changes in the image, resume)
 #   BLKPLANE-REBOOT                      boot 1 passed and reboots (reboot -f, same QEMU)
 #   BLKPLANE-DONE failed=<n> boot=<n>    nothing more follows; the guest powers off
 #
@@ -21,7 +26,8 @@
 #   [164, 168)  write-zeroes with unmap and no fallback (fallocate --punch-hole)
 #   [168, 172)  write-zeroes (BLKZEROOUT: blkdiscard --zeroout)
 #   [172, 176)  flush scratch
-#   [176, 192)  fio mixed: time-based random read/write, two jobs of 8 MiB
+#   [176, 192)  fio mixed: time-based random read/write, two jobs of 8 MiB; then reused by
+#               the crash phases (fio crash: 4k random write + verify, two jobs of 8 MiB)
 #   200         the boot marker (one sector): "BLKPLANE-MARK stage1 <nonce> <manifest sha256>"
 #               written at the end of boot 1, "... stage2 <nonce>" at the end of boot 2
 
@@ -272,6 +278,43 @@ reverify() {
     done
 }
 
+# ---- crash-safe reconnect: kill -9 of a blkplane process during fio write+verify ---------------
+
+# Kernel log lines that mean the guest saw a failed request.
+io_errors() { dmesg | grep -cE "I/O error|critical (medium|target|nexus|space) error|Buffer I/O error"; }
+
+# crash_phase ACTION: fio write+verify on the crash region; once its writes flow, the host is
+# asked (BLKPLANE-HOST ACTION) to kill a blkplane process during them. The requests that were
+# in flight must be resubmitted: fio must finish without an error and verify every block, and
+# the kernel must log no I/O error.
+crash_phase() {
+    action=$1
+    e0=$(io_errors)
+    w0=$(stat_field "$RW" 5)
+    t0=$(date +%s)
+    echo "---- fio crash ($action) ----"
+    BP_DEV=/dev/$RW "$FIO" --section=crash --output=/tmp/fio-"$action".log \
+        /etc/blkplane/verify.fio &
+    fio_pid=$!
+    # Writes completed (stat field 5) tell that fio is past its start-up and writing.
+    i=0
+    while [ $i -lt 600 ] && kill -0 $fio_pid 2>/dev/null; do
+        [ $(($(stat_field "$RW" 5) - w0)) -ge 200 ] && break
+        sleep 0.1
+        i=$((i + 1))
+    done
+    emit "BLKPLANE-HOST $action"
+    wait $fio_pid
+    rc=$?
+    cat /tmp/fio-"$action".log
+    e1=$(io_errors)
+    bw=$(grep -E '^ *(READ|WRITE): ' /tmp/fio-"$action".log \
+        | sed -E 's/^ *(READ|WRITE): bw=([^ ]+) .* io=([^ ]+) .*/\1 \3 at \2/' | tr '\n' ';' \
+        | sed 's/;$//; s/;/, /g')
+    [ "$rc" = 0 ] && [ "$e1" = "$e0" ]
+    verdict $? "$action" "fio write+verify across the kill: exit $rc in $(($(date +%s) - t0))s, $bw; kernel I/O errors $e0 -> $e1 $(dmesg | grep -E 'I/O error' | tail -n1)"
+}
+
 # ---- ext4 -------------------------------------------------------------------------------------
 
 MANIFEST_SHA=""
@@ -410,6 +453,9 @@ write_marker() {
 if [ "$BOOT" = 1 ]; then
     fio_checks
     reverify ""
+    crash_phase crash-frontend
+    crash_phase crash-iothread
+    crash_phase drain
     ext4_checks
     discard_checks
     if [ "$FAILED" != 0 ]; then

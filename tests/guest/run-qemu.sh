@@ -66,7 +66,7 @@ append+=" bp.ro_sha256=$ro_sha"
 [ "$shell" = 1 ] && append+=" bp.shell=1"
 echo "work dir $work (frontend logs frontend-*.log, results results.log)"
 qemu-system-x86_64 -no-user-config -nodefaults -nographic \
-    -machine q35,memory-backend=mem -accel tcg -cpu max -smp 2 -m 512 \
+    -machine q35,memory-backend=mem -accel tcg,thread=single -cpu max -smp 2 -m 512 \
     -object memory-backend-memfd,id=mem,size=512M,share=on \
     -kernel "$kernel" -initrd "$initrd" -append "$append" \
     -serial mon:stdio -serial "file:$work/results.log" \

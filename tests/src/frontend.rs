@@ -1,6 +1,7 @@
 //! Running one `blkplane-frontend` process, and looking at it (and its iothreads) in /proc.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -37,7 +38,6 @@ impl Frontend {
 
     /// Like [`Frontend::start`], but reports failure to start as an error string.
     pub fn try_start(image: &Path, args: &[&str]) -> Result<Frontend, String> {
-        let bins = binaries();
         let dir = TempDir::new("fe");
         let socket = dir.join("vhost.sock");
         let stderr_path = dir.join("stderr.log");
@@ -49,18 +49,7 @@ impl Frontend {
             image.to_str().unwrap().into(),
         ];
         all_args.extend(args.iter().map(|s| s.to_string()));
-        let mut cmd = Command::new(&bins.frontend);
-        cmd.args(&all_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .env("RUST_BACKTRACE", "1");
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("spawning {}: {e}", bins.frontend.display()))?;
+        let child = spawn(&all_args, stderr)?;
         let mut fe = Frontend {
             child,
             socket,
@@ -70,6 +59,27 @@ impl Frontend {
         };
         fe.wait_listening()?;
         Ok(fe)
+    }
+
+    /// Kills the frontend with SIGKILL — its iothreads die with it (PR_SET_PDEATHSIG) — and
+    /// starts it again with the same arguments on the same socket, as blkplaned's supervision
+    /// would; the new process's stderr is appended to the same log, after a line saying so.
+    /// Waits until the new process listens. Returns the old pid.
+    pub fn kill9_and_restart(&mut self) -> Result<u32, String> {
+        let old = self.pid();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut log = OpenOptions::new()
+            .append(true)
+            .open(&self.stderr_path)
+            .map_err(|e| format!("{}: {e}", self.stderr_path.display()))?;
+        let _ = writeln!(
+            log,
+            "---- test: frontend {old} killed with SIGKILL; starting it again ----"
+        );
+        self.child = spawn(&self.args, log)?;
+        self.wait_listening()?;
+        Ok(old)
     }
 
     fn wait_listening(&mut self) -> Result<(), String> {
@@ -228,6 +238,22 @@ impl Drop for Frontend {
             );
         }
     }
+}
+
+/// Starts `blkplane-frontend` with `args`, stderr into `stderr`.
+fn spawn(args: &[String], stderr: File) -> Result<Child, String> {
+    let bins = binaries();
+    let mut cmd = Command::new(&bins.frontend);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .env("RUST_BACKTRACE", "1");
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "info");
+    }
+    cmd.spawn()
+        .map_err(|e| format!("spawning {}: {e}", bins.frontend.display()))
 }
 
 /// Whether a UNIX socket is listening at `path`. Read from /proc/net/unix rather than probed

@@ -10,11 +10,14 @@
 //! - [`raw`] is a minimal hand-written vhost-user front-end with its own split virtqueue, for
 //!   requests libblkio would never send.
 //! - [`wire`] writes raw vhost-user messages, for messages the `vhost` crate would never send.
+//! - [`admin`] talks to a frontend's admin channel (drain, resume, statistics) as blkplaned
+//!   does.
 //!
 //! Every wait in these helpers is bounded, so a hung frontend fails a test instead of hanging CI.
 
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod client;
 pub mod frontend;
 pub mod raw;

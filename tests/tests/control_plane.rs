@@ -11,7 +11,12 @@
 //! - a disk resized, the new capacity seen by a new client;
 //! - a crash loop marks a disk failed;
 //! - every kind of bad input refused with its status code and the field's name, leaving no
-//!   process, socket or state entry behind.
+//!   process, socket or state entry behind;
+//! - drain and resume under QD-8 writes (nothing completes and the image does not change
+//!   while drained, every waiting request completes after resume, data verified; the drained
+//!   state survives an iothread and a frontend SIGKILL);
+//! - migration blockers: operator ones added, listed, persisted, removed; automatic ones
+//!   (draining, restarts, dirty logging not supported); the frontend refuses LOG_ALL.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -1307,4 +1312,524 @@ fn restart_with_stale_pid_file_and_orphan() {
     );
     let _ = sleeper.kill();
     let _ = sleeper.wait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drain and resume, migration blockers.
+
+/// Bytes per write of the drain test's writers.
+const QD_BLOCK: usize = 16 * 1024;
+/// Requests each writer keeps in flight.
+const QD: usize = 8;
+/// Blocks each writer cycles over (its own 8 MiB region of the disk).
+const QD_BLOCKS: u64 = 512;
+
+/// The seed of write `seq` of writer `writer`.
+fn qd_seed(writer: u64, seq: u64) -> u64 {
+    0xd4a1_0000_0000_0000 | (writer << 40) | seq
+}
+
+/// Progress of one writer, shared with the test's main thread.
+#[derive(Default)]
+struct QdProgress {
+    completed: AtomicU64,
+    submitted: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// Tells the writers to stop when dropped, so that a failing assertion in the main thread
+/// ends the scope instead of waiting for writers that would go on forever.
+struct StopOnDrop<'a>(&'a [QdProgress]);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        for p in self.0 {
+            p.stop.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Writes at queue depth [`QD`] on `q` (writer `writer`: blocks `writer` × 8 MiB onwards),
+/// each write a fresh pattern, until told to stop; returns the sequence number of the last
+/// completed write of each block (0: never written). Writes to one block are [`QD_BLOCKS`]
+/// apart, so with [`QD`] in flight the later one was always submitted after the earlier one
+/// completed: the last completed is what the block holds.
+fn qd_writer(q: &mut IoQueue, writer: u64, p: &QdProgress) -> Result<Vec<u64>, String> {
+    let base = writer * QD_BLOCKS * QD_BLOCK as u64;
+    let mut last = vec![0u64; QD_BLOCKS as usize];
+    let mut free: Vec<usize> = (0..QD).collect();
+    let mut slot_of = std::collections::HashMap::new();
+    let mut seq = 0u64;
+    loop {
+        while !p.stop.load(Ordering::SeqCst) {
+            let Some(slot) = free.pop() else { break };
+            seq += 1;
+            let data = pattern(qd_seed(writer, seq), QD_BLOCK);
+            q.buf()[slot * QD_BLOCK..(slot + 1) * QD_BLOCK].copy_from_slice(&data);
+            let op = Op::Write {
+                offset: base + (seq % QD_BLOCKS) * QD_BLOCK as u64,
+                buf: slot * QD_BLOCK,
+                len: QD_BLOCK,
+            };
+            q.submit(&op, seq as usize);
+            slot_of.insert(seq, slot);
+            p.submitted.fetch_add(1, Ordering::SeqCst);
+        }
+        if slot_of.is_empty() {
+            return Ok(last);
+        }
+        for (done, ret) in q.wait(1) {
+            let done = done as u64;
+            if ret != 0 {
+                return Err(format!("write {done}: {}", errno_name(-ret)));
+            }
+            let slot = slot_of
+                .remove(&done)
+                .ok_or("completion of an unknown write")?;
+            free.push(slot);
+            last[(done % QD_BLOCKS) as usize] = done;
+            p.completed.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Checks that writer `writer`'s region holds, block by block, its last completed write.
+#[track_caller]
+fn verify_qd_region(q: &mut IoQueue, writer: u64, last: &[u64]) {
+    let base = writer * QD_BLOCKS * QD_BLOCK as u64;
+    for (block, &seq) in last.iter().enumerate() {
+        let offset = base + block as u64 * QD_BLOCK as u64;
+        let back = q
+            .read_at(offset, QD_BLOCK)
+            .unwrap_or_else(|e| panic!("read at {offset}: {}", errno_name(e)));
+        let want = if seq == 0 {
+            vec![0; QD_BLOCK]
+        } else {
+            pattern(qd_seed(writer, seq), QD_BLOCK)
+        };
+        assert_same_data(&format!("writer {writer} block {block}"), &back, &want);
+    }
+}
+
+/// The reasons of a disk's migration blockers, from its JSON.
+fn blocker_reasons(disk: &Json) -> Vec<String> {
+    disk.get("migration_blockers")
+        .arr()
+        .iter()
+        .map(|b| b.get("reason").str().to_string())
+        .collect()
+}
+
+/// Sums a counter over a disk's queues, from `stats -o json`.
+fn total_stat(d: &Daemon, id: &str, field: &str) -> u64 {
+    d.ctl_json(&["stats", id]).arr()[0]
+        .get("total")
+        .get(field)
+        .u64()
+}
+
+/// One write through a fresh libblkio connection, in a thread: it is expected to wait while
+/// the disk is drained. Sets `done` when it completed, and returns the result.
+fn write_in_background(
+    socket: PathBuf,
+    offset: u64,
+    seed: u64,
+    done: Arc<AtomicBool>,
+) -> JoinHandle<Result<(), String>> {
+    std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).map_err(|e| format!("connect: {e}"))?;
+        let r = c
+            .queue(0)
+            .write_at(offset, &pattern(seed, 4096))
+            .map_err(|e| format!("write: {}", errno_name(e)));
+        done.store(true, Ordering::SeqCst);
+        r
+    })
+}
+
+/// Drain and resume under load, through blkplanectl: two libblkio writers at QD 8 on a disk
+/// with two queues and two iothreads. Drain with flush returns the number of requests it
+/// waited for; while drained no request completes (the writers' next requests wait in the
+/// rings), the image does not change, not across an iothread SIGKILL either; Resume lets
+/// every waiting request complete without an error, and the data is verified. A VMM that
+/// connects while the disk is drained is not served until Resume (a frontend serves one VMM
+/// at a time, so this comes after the writers' client left). The drained state survives a
+/// frontend SIGKILL: the restarted frontend is drained too, until Resume.
+#[test]
+fn drain_and_resume_under_io() {
+    let t0 = Instant::now();
+    let d = Daemon::start("cpdrain", &[]);
+    let images = TempDir::new("cpdrainimg");
+    let img = create_image(&images.join("d.img"), 32 * MIB);
+    let watcher = Watcher::start(&d);
+    let disk = add_disk(&d, "d", &img, &["--num-queues", "2", "--iothreads", "2"]);
+    let socket = socket_of(&disk);
+    let opts = ClientOptions {
+        num_queues: 2,
+        ..Default::default()
+    };
+    let mut client =
+        Client::connect_with(&socket, &opts).unwrap_or_else(|e| panic!("connect: {e}"));
+    let progress = [QdProgress::default(), QdProgress::default()];
+    let completed = || -> u64 {
+        progress
+            .iter()
+            .map(|p| p.completed.load(Ordering::SeqCst))
+            .sum()
+    };
+    let submitted = || -> u64 {
+        progress
+            .iter()
+            .map(|p| p.submitted.load(Ordering::SeqCst))
+            .sum()
+    };
+    let lasts: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let _stop = StopOnDrop(&progress);
+        let writers: Vec<_> = client
+            .queues_mut()
+            .iter_mut()
+            .zip(&progress)
+            .enumerate()
+            .map(|(i, (q, p))| s.spawn(move || qd_writer(q, i as u64, p)))
+            .collect();
+        let wait_completed = |n: u64, what: &str| {
+            let target = completed() + n;
+            wait_for(TIMEOUT, || (completed() >= target).then_some(()))
+                .unwrap_or_else(|| panic!("no progress ({what}): {} completed", completed()));
+        };
+        wait_completed(300, "before the drain");
+        d.wait_disk("d", "connected", |j| j.get("state").str() == "connected");
+
+        // Drain with flush while 2 × QD writes are in flight.
+        let started = Instant::now();
+        let out = d.ctl_json(&["disk", "drain", "d", "--flush"]);
+        let drain_time = started.elapsed();
+        let waited = out.get("waited_requests").u64();
+        assert!(waited <= 2 * QD as u64, "{out:?}");
+        assert!(out.get("flushed").bool(), "{out:?}");
+        eprintln!("drain with flush: waited for {waited} requests in {drain_time:?}");
+        let j = d.disk("d");
+        assert_eq!(j.get("state").str(), "drained", "{j:?}");
+        assert!(j.get("drained").bool() && j.get("vmm_connected").bool());
+        assert!(!j.get("migratable").bool());
+        let reasons = blocker_reasons(&j);
+        assert!(reasons.contains(&"draining".to_string()), "{reasons:?}");
+        watcher.wait("drained", "d");
+
+        // Held: the writers refill their QD and wait; nothing completes, nothing is written.
+        let settled = wait_for(TIMEOUT, || {
+            (submitted() - completed() == 2 * QD as u64).then_some(())
+        });
+        assert!(settled.is_some(), "the writers did not refill their queues");
+        let c0 = completed();
+        let image0 = read_file(&img);
+        std::thread::sleep(Duration::from_secs(1));
+        assert_eq!(completed(), c0, "requests completed while drained");
+        assert!(read_file(&img) == image0, "the image changed while drained");
+        assert_eq!(total_stat(&d, "d", "in_flight"), 0);
+        // Growing the image would touch it.
+        d.ctl_refused(
+            &["disk", "resize", "d", "48M"],
+            "FAILED_PRECONDITION",
+            "drained",
+        );
+
+        // An iothread killed while drained is replaced, and nothing moves either.
+        let iothreads: Vec<u64> = j.get("iothread_pids").arr().iter().map(Json::u64).collect();
+        let fe_pid = j.get("frontend_pid").u64() as u32;
+        assert!(blkplane_tests::frontend::kill_iothread(
+            fe_pid,
+            iothreads[0] as u32
+        ));
+        let j = d.wait_disk("d", "iothread replaced", |j| {
+            j.get("iothread_restarts").u64() >= 1
+        });
+        assert_eq!(j.get("state").str(), "drained", "{j:?}");
+        assert!(
+            blocker_reasons(&j).contains(&"iothread_restarted".to_string()),
+            "{j:?}"
+        );
+        std::thread::sleep(Duration::from_secs(1));
+        assert_eq!(completed(), c0, "requests completed while drained");
+        assert!(read_file(&img) == image0, "the image changed while drained");
+        // Draining a drained disk waits for nothing.
+        let again = d.ctl_json(&["disk", "drain", "d"]);
+        assert_eq!(again.get("waited_requests").u64(), 0, "{again:?}");
+        assert!(!again.get("flushed").bool());
+
+        // Resume: everything that waited completes, and the I/O goes on.
+        d.ctl_ok(&["disk", "resume", "d"]);
+        watcher.wait("resumed", "d");
+        wait_completed(300, "after resume");
+        let j = d.wait_disk("d", "resumed", |j| j.get("state").str() == "connected");
+        assert!(!j.get("drained").bool());
+        assert!(!blocker_reasons(&j).contains(&"draining".to_string()));
+        for p in &progress {
+            p.stop.store(true, Ordering::SeqCst);
+        }
+        writers
+            .into_iter()
+            .map(|w| w.join().expect("writer panicked").expect("writer"))
+            .collect()
+    });
+    for (writer, last) in lasts.iter().enumerate() {
+        verify_qd_region(client.queue(writer), writer as u64, last);
+    }
+    drop(client);
+    assert_eq!(total_stat(&d, "d", "errors"), 0);
+
+    // A VMM that connects while the disk is drained: its ring starts, but is not served.
+    d.wait_disk("d", "disconnected", |j| !j.get("vmm_connected").bool());
+    d.ctl_ok(&["disk", "drain", "d"]);
+    let late = Arc::new(AtomicBool::new(false));
+    let late_writer = write_in_background(socket.clone(), 20 * MIB, 4242, Arc::clone(&late));
+    d.wait_disk("d", "connected while drained", |j| {
+        j.get("vmm_connected").bool() && j.get("state").str() == "drained"
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        !late.load(Ordering::SeqCst),
+        "a new VMM was served while drained"
+    );
+    d.ctl_ok(&["disk", "resume", "d"]);
+    late_writer
+        .join()
+        .unwrap()
+        .expect("the write of the late VMM");
+    let mut c = Client::connect(&socket).unwrap();
+    assert_same_data(
+        "the late VMM's write",
+        &c.queue(0).read_at(20 * MIB, 4096).unwrap(),
+        &pattern(4242, 4096),
+    );
+    drop(c);
+    let events = watcher.events.lock().unwrap().clone();
+    let has = |kind: &str, prefix: &str| {
+        events.iter().any(|e| {
+            e.get("kind").str() == kind
+                && e.get("disk_id").str() == "d"
+                && e.get("message").str().starts_with(prefix)
+        })
+    };
+    assert!(has("blocker_added", "draining: "), "{events:?}");
+    assert!(has("blocker_removed", "draining"), "{events:?}");
+
+    // Drained is persisted and survives a frontend crash: the restarted frontend serves
+    // nothing until Resume.
+    d.wait_disk("d", "disconnected", |j| !j.get("vmm_connected").bool());
+    d.ctl_ok(&["disk", "drain", "d"]);
+    let text = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
+    assert!(text.contains("\"drained\": true"), "{text}");
+    let old = d.disk("d").get("frontend_pid").u64() as u32;
+    kill(old, libc::SIGKILL);
+    let j = d.wait_disk("d", "restarted drained", |j| {
+        j.get("frontend_pid").u64() as u32 != old && j.get("state").str() == "drained"
+    });
+    assert!(j.get("drained").bool());
+    let reasons = blocker_reasons(&j);
+    assert!(
+        reasons.contains(&"draining".to_string())
+            && reasons.contains(&"frontend_restarting".to_string()),
+        "{reasons:?}"
+    );
+    let after_crash = Arc::new(AtomicBool::new(false));
+    let writer = write_in_background(socket.clone(), 24 * MIB, 77, Arc::clone(&after_crash));
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        !after_crash.load(Ordering::SeqCst),
+        "the restarted frontend served a request while drained"
+    );
+    d.ctl_ok(&["disk", "resume", "d"]);
+    writer.join().unwrap().expect("write after resume");
+    let text = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
+    assert!(!text.contains("\"drained\""), "{text}");
+    check_fresh_connection(&socket, 28 * MIB, 78);
+    eprintln!("drain_and_resume_under_io took {:.1?}", t0.elapsed());
+}
+
+/// Migration blockers through blkplanectl: an idle disk is migratable; operator blockers are
+/// added, replaced, listed, persisted across a blkplaned restart and removed; every bad input
+/// is refused naming its field; a connected VMM brings the honest "dirty logging not
+/// supported" blocker; the frontend is sent the list and refuses VHOST_F_LOG_ALL with the
+/// reasons in its log.
+#[test]
+fn migration_blockers() {
+    let mut d = Daemon::start("cpblock", &[]);
+    let images = TempDir::new("cpblockimg");
+    let img = create_image(&images.join("m.img"), 8 * MIB);
+    let watcher = Watcher::start(&d);
+    let disk = add_disk(&d, "m", &img, &[]);
+    let socket = socket_of(&disk);
+    let log = PathBuf::from(disk.get("log_path").str());
+    assert!(disk.get("migratable").bool(), "{disk:?}");
+    assert!(disk.get("migration_blockers").arr().is_empty());
+    let list = d.ctl_json(&["disk", "blocker", "list", "m"]);
+    assert!(list.get("migratable").bool() && list.get("blockers").arr().is_empty());
+
+    // Add, replace, add another.
+    let m = d.ctl_json(&["disk", "blocker", "add", "m", "backup", "nightly backup"]);
+    assert!(!m.get("migratable").bool());
+    let b = &m.get("blockers").arr()[0];
+    assert_eq!(b.get("reason").str(), "operator_backup");
+    assert_eq!(b.get("message").str(), "nightly backup");
+    assert!(!b.get("automatic").bool());
+    watcher.wait("blocker_added", "m");
+    let m = d.ctl_json(&["disk", "blocker", "add", "m", "backup", "weekly backup"]);
+    assert_eq!(m.get("blockers").arr().len(), 1, "{m:?}");
+    assert_eq!(
+        m.get("blockers").arr()[0].get("message").str(),
+        "weekly backup"
+    );
+    let m = d.ctl_json(&["disk", "blocker", "add", "m", "maintenance", "shelf swap"]);
+    let reasons: Vec<&str> = m
+        .get("blockers")
+        .arr()
+        .iter()
+        .map(|b| b.get("reason").str())
+        .collect();
+    assert_eq!(reasons, ["operator_backup", "operator_maintenance"]);
+    let table = d.ctl_ok(&["disk", "blocker", "list", "m"]);
+    assert!(table.starts_with("m: not migratable\nREASON"), "{table}");
+    assert!(table.contains("weekly backup"), "{table}");
+
+    // Bad input: every refusal names its field.
+    d.ctl_refused(
+        &["disk", "blocker", "add", "m", "99", "x"],
+        "INVALID_ARGUMENT",
+        "reason",
+    );
+    d.ctl_refused(
+        &["disk", "blocker", "add", "m", "0", "x"],
+        "INVALID_ARGUMENT",
+        "reason",
+    );
+    d.ctl_refused(
+        &["disk", "blocker", "add", "m", "draining", "x"],
+        "INVALID_ARGUMENT",
+        "reason",
+    );
+    d.ctl_refused(
+        &["disk", "blocker", "add", "m", "other", ""],
+        "INVALID_ARGUMENT",
+        "message",
+    );
+    d.ctl_refused(
+        &["disk", "blocker", "add", "m", "other", "two\nlines"],
+        "INVALID_ARGUMENT",
+        "message",
+    );
+    d.ctl_refused(
+        &["disk", "blocker", "add", "nope", "other", "x"],
+        "NOT_FOUND",
+        "id",
+    );
+    d.ctl_refused(&["disk", "blocker", "list", "nope"], "NOT_FOUND", "id");
+    d.ctl_refused(
+        &["disk", "blocker", "remove", "m", "other"],
+        "NOT_FOUND",
+        "reason",
+    );
+    d.ctl_refused(
+        &["disk", "blocker", "remove", "nope", "backup"],
+        "NOT_FOUND",
+        "id",
+    );
+    d.ctl_refused(&["disk", "drain", "nope"], "NOT_FOUND", "id");
+    d.ctl_refused(&["disk", "resume", "nope"], "NOT_FOUND", "id");
+    assert_eq!(
+        d.ctl(&["disk", "blocker", "add", "m", "bogus", "x"]).code,
+        Some(2)
+    );
+    assert_eq!(d.disk("m").get("migration_blockers").arr().len(), 2);
+
+    // The frontend was told, and refuses dirty logging with the reasons in its log.
+    let told = wait_for(TIMEOUT, || {
+        std::fs::read_to_string(&log)
+            .ok()
+            .filter(|t| t.contains("operator_maintenance: shelf swap"))
+    });
+    assert!(told.is_some(), "the frontend was not sent the blockers");
+    {
+        use blkplane_tests::wire::RawConn;
+        use vhost::vhost_user::message::FrontendReq;
+        use vhost::vhost_user::VhostUserVirtioFeatures;
+        let mut c = RawConn::connect(&socket);
+        c.handshake();
+        let features = c.query_u64(FrontendReq::GET_FEATURES);
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        c.expect_rejected(
+            "SET_FEATURES with LOG_ALL",
+            FrontendReq::SET_FEATURES as u32,
+            &(features | log_all).to_ne_bytes(),
+            &[],
+        );
+    }
+    let refused = wait_for(TIMEOUT, || {
+        std::fs::read_to_string(&log).ok().and_then(|t| {
+            t.lines()
+                .find(|l| l.contains("VHOST_F_LOG_ALL refused"))
+                .map(str::to_string)
+        })
+    })
+    .expect("no refusal of VHOST_F_LOG_ALL in the frontend's log");
+    assert!(
+        refused.contains("operator_backup: weekly backup")
+            && refused.contains("dirty logging is not"),
+        "{refused}"
+    );
+
+    // Persisted: a restarted blkplaned (the frontend adopted) still has them.
+    let text = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
+    assert!(
+        text.contains("\"maintenance\"") && text.contains("weekly backup"),
+        "{text}"
+    );
+    drop(watcher);
+    d.stop();
+    d.spawn();
+    let watcher = Watcher::start(&d);
+    let j = d.wait_disk("m", "adopted", |j| j.get("state").str() == "ready");
+    assert_eq!(
+        blocker_reasons(&j),
+        ["operator_backup", "operator_maintenance"]
+    );
+
+    // A VMM connected: the dirty-logging blocker, honest about why; removing the operator
+    // blockers leaves it; the VMM gone, the disk is migratable again.
+    let mut client = Client::connect(&socket).unwrap();
+    client.queue(0).write_at(0, &pattern(1, 4096)).unwrap();
+    let j = d.wait_disk("m", "connected", |j| j.get("vmm_connected").bool());
+    let unsupported = j
+        .get("migration_blockers")
+        .arr()
+        .iter()
+        .find(|b| b.get("reason").str() == "unsupported_feature")
+        .cloned()
+        .unwrap_or_else(|| panic!("no unsupported_feature blocker: {j:?}"));
+    assert!(unsupported.get("automatic").bool());
+    assert!(
+        unsupported
+            .get("message")
+            .str()
+            .contains("does not offer VHOST_USER_PROTOCOL_F_LOG_SHMFD"),
+        "{unsupported:?}"
+    );
+    d.ctl_json(&["disk", "blocker", "remove", "m", "backup"]);
+    let m = d.ctl_json(&["disk", "blocker", "remove", "m", "maintenance"]);
+    assert!(!m.get("migratable").bool());
+    let reasons: Vec<&str> = m
+        .get("blockers")
+        .arr()
+        .iter()
+        .map(|b| b.get("reason").str())
+        .collect();
+    assert_eq!(reasons, ["unsupported_feature"]);
+    watcher.wait("blocker_removed", "m");
+    drop(client);
+    let j = d.wait_disk("m", "migratable", |j| j.get("migratable").bool());
+    assert!(j.get("migration_blockers").arr().is_empty());
+    let listed = d.ctl_json(&["disk", "list"]);
+    assert!(listed.arr()[0].get("migratable").bool());
+    let text = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
+    assert!(!text.contains("migration_blockers"), "{text}");
 }

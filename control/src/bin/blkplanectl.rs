@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use blkplane_control::ctl;
 use blkplane_control::pb::control_client::ControlClient;
 use blkplane_control::pb::{
-    AddDiskRequest, CacheMode, GetDiskRequest, GetStatsRequest, ListDisksRequest,
-    RemoveDiskRequest, ResizeDiskRequest, WatchEventsRequest,
+    AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DrainDiskRequest, GetDiskRequest,
+    GetStatsRequest, ListDisksRequest, MigrationStatus, RemoveDiskRequest,
+    RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, WatchEventsRequest,
 };
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
@@ -100,6 +101,57 @@ enum DiskCmd {
         #[arg(value_parser = ctl::parse_size)]
         size: u64,
     },
+    /// Quiesce a disk for a snapshot or backup: the guest's requests wait (none fails), the
+    /// requests in flight complete; prints how many it waited for. Lasts until `disk resume`,
+    /// also across frontend restarts.
+    Drain {
+        /// The disk.
+        id: String,
+        /// fdatasync the image once nothing is in flight.
+        #[arg(long)]
+        flush: bool,
+    },
+    /// End a drain: the disk serves the guest's requests again.
+    Resume {
+        /// The disk.
+        id: String,
+    },
+    /// Migration blockers: why a disk must not be live-migrated.
+    #[command(subcommand)]
+    Blocker(BlockerCmd),
+}
+
+#[derive(Debug, Subcommand)]
+enum BlockerCmd {
+    /// Show whether a disk may be migrated, and every blocker (automatic and operator).
+    List {
+        /// The disk.
+        id: String,
+    },
+    /// Add an operator blocker (or replace the message of the disk's blocker with REASON).
+    Add {
+        /// The disk.
+        id: String,
+        /// backup, maintenance or other (or a MigrationBlockerReason number).
+        #[arg(value_parser = parse_reason)]
+        reason: i32,
+        /// Why, for people (1 to 256 bytes).
+        message: String,
+    },
+    /// Remove an operator blocker.
+    Remove {
+        /// The disk.
+        id: String,
+        /// backup, maintenance or other (or a MigrationBlockerReason number).
+        #[arg(value_parser = parse_reason)]
+        reason: i32,
+    },
+}
+
+fn parse_reason(s: &str) -> Result<i32, String> {
+    blkplane_control::migration::parse_reason(s).ok_or_else(|| {
+        format!("{s:?} is not a reason: use backup, maintenance or other (or a number)")
+    })
 }
 
 #[derive(Debug, clap::Args)]
@@ -234,6 +286,13 @@ fn print_json(v: &Value) {
     );
 }
 
+fn print_migration(format: Format, m: &MigrationStatus) {
+    match format {
+        Format::Json => print_json(&ctl::migration_json(m)),
+        Format::Table => print!("{}", ctl::migration_table(m)),
+    }
+}
+
 fn print_json_line(v: &Value) -> bool {
     let mut out = std::io::stdout();
     writeln!(out, "{v}").and_then(|_| out.flush()).is_ok()
@@ -320,6 +379,61 @@ async fn run(args: Args) -> Result<(), Failure> {
                     if done.guest_notified { "yes" } else { "no" }
                 ),
             }
+        }
+        Cmd::Disk(DiskCmd::Drain { id, flush }) => {
+            let done = client
+                .drain(DrainDiskRequest {
+                    id: id.clone(),
+                    flush,
+                })
+                .await?
+                .into_inner();
+            match format {
+                Format::Json => print_json(&ctl::drain_json(&id, &done)),
+                Format::Table => println!(
+                    "{id}: drained; waited for {} requests in flight{}",
+                    done.waited_requests,
+                    if done.flushed { "; image synced" } else { "" }
+                ),
+            }
+        }
+        Cmd::Disk(DiskCmd::Resume { id }) => {
+            client.resume(ResumeDiskRequest { id: id.clone() }).await?;
+            match format {
+                Format::Json => print_json(&json!({ "id": id, "drained": false })),
+                Format::Table => println!("{id}: resumed"),
+            }
+        }
+        Cmd::Disk(DiskCmd::Blocker(BlockerCmd::List { id })) => {
+            let disk = client.get_disk(GetDiskRequest { id }).await?.into_inner();
+            let m = MigrationStatus {
+                id: disk.config.map(|c| c.id).unwrap_or_default(),
+                migratable: disk.migratable,
+                blockers: disk.migration_blockers,
+            };
+            print_migration(format, &m);
+        }
+        Cmd::Disk(DiskCmd::Blocker(BlockerCmd::Add {
+            id,
+            reason,
+            message,
+        })) => {
+            let m = client
+                .add_migration_blocker(AddMigrationBlockerRequest {
+                    id,
+                    reason,
+                    message,
+                })
+                .await?
+                .into_inner();
+            print_migration(format, &m);
+        }
+        Cmd::Disk(DiskCmd::Blocker(BlockerCmd::Remove { id, reason })) => {
+            let m = client
+                .remove_migration_blocker(RemoveMigrationBlockerRequest { id, reason })
+                .await?
+                .into_inner();
+            print_migration(format, &m);
         }
         Cmd::Stats {
             id,

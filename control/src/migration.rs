@@ -1,0 +1,309 @@
+//! Migration blockers: the reasons a disk must not be live-migrated now, the analogue of
+//! KubeVirt's LiveMigratable condition.
+//!
+//! Automatic blockers are computed from what blkplaned knows about the disk (its runtime
+//! state and the frontend's last status); operator blockers are part of the disk's persisted
+//! lifecycle. [`blockers`] lists both; `supervisor::DiskHandle` dates them, turns changes into
+//! events and sends the list to the frontend, which refuses dirty logging while it is not
+//! empty.
+
+use std::time::Duration;
+
+use crate::ctl::format_time;
+use crate::pb::{DiskState, MigrationBlockerReason as Reason};
+use crate::state::OperatorReason;
+use crate::supervisor::Runtime;
+
+/// How long migration stays blocked after a frontend or an iothread was restarted: a VMM
+/// reconnecting, or requests being resubmitted, should settle before a migration starts.
+pub const RESTART_WINDOW: Duration = Duration::from_secs(30);
+
+/// The first reason number that belongs to operators; lower ones are automatic.
+pub const FIRST_OPERATOR_REASON: i32 = 16;
+
+/// VHOST_USER_PROTOCOL_F_LOG_SHMFD: the dirty log in shared memory.
+const PROTOCOL_F_LOG_SHMFD: u64 = 1 << 1;
+
+/// One blocker, before the daemon dates the automatic ones.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blocker {
+    /// The reason code.
+    pub reason: Reason,
+    /// What it means for this disk.
+    pub message: String,
+    /// When an operator blocker was added; `None` for automatic ones.
+    pub since_unix_ms: Option<u64>,
+}
+
+impl Blocker {
+    fn automatic(reason: Reason, message: impl Into<String>) -> Blocker {
+        Blocker {
+            reason,
+            message: message.into(),
+            since_unix_ms: None,
+        }
+    }
+
+    /// Whether blkplaned sets and clears it itself.
+    pub fn is_automatic(&self) -> bool {
+        (self.reason as i32) < FIRST_OPERATOR_REASON
+    }
+
+    /// The line the frontend is sent and logs: `reason: message`.
+    pub fn line(&self) -> String {
+        format!("{}: {}", reason_name(self.reason), self.message)
+    }
+}
+
+/// The lower-case name of a reason, as blkplanectl prints it and the frontend logs it.
+pub fn reason_name(reason: Reason) -> &'static str {
+    match reason {
+        Reason::Unspecified => "unspecified",
+        Reason::Draining => "draining",
+        Reason::FrontendRestarting => "frontend_restarting",
+        Reason::IothreadRestarted => "iothread_restarted",
+        Reason::Incoming => "incoming",
+        Reason::UnsupportedFeature => "unsupported_feature",
+        Reason::OperatorBackup => "operator_backup",
+        Reason::OperatorMaintenance => "operator_maintenance",
+        Reason::OperatorOther => "operator_other",
+    }
+}
+
+/// A reason given on blkplanectl's command line: its name (`operator_backup`), the operator
+/// names without the prefix (`backup`, `maintenance`, `other`), the .proto name
+/// (`MIGRATION_BLOCKER_REASON_OPERATOR_BACKUP`), or a number, which is passed on as it is
+/// (blkplaned says whether it is valid).
+pub fn parse_reason(text: &str) -> Option<i32> {
+    if let Ok(n) = text.parse::<i32>() {
+        return Some(n);
+    }
+    let lower = text.to_ascii_lowercase();
+    let name = lower
+        .strip_prefix("migration_blocker_reason_")
+        .unwrap_or(&lower);
+    let all = [
+        Reason::Draining,
+        Reason::FrontendRestarting,
+        Reason::IothreadRestarted,
+        Reason::Incoming,
+        Reason::UnsupportedFeature,
+        Reason::OperatorBackup,
+        Reason::OperatorMaintenance,
+        Reason::OperatorOther,
+    ];
+    all.into_iter()
+        .find(|r| {
+            let full = reason_name(*r);
+            full == name || full.strip_prefix("operator_") == Some(name)
+        })
+        .map(|r| r as i32)
+}
+
+/// The API reason of an operator reason.
+pub fn from_operator(reason: OperatorReason) -> Reason {
+    match reason {
+        OperatorReason::Backup => Reason::OperatorBackup,
+        OperatorReason::Maintenance => Reason::OperatorMaintenance,
+        OperatorReason::Other => Reason::OperatorOther,
+    }
+}
+
+/// The operator reason of an API reason; `None` for automatic ones.
+pub fn to_operator(reason: Reason) -> Option<OperatorReason> {
+    match reason {
+        Reason::OperatorBackup => Some(OperatorReason::Backup),
+        Reason::OperatorMaintenance => Some(OperatorReason::Maintenance),
+        Reason::OperatorOther => Some(OperatorReason::Other),
+        _ => None,
+    }
+}
+
+/// Whether `since` (ms since the epoch, 0 for never) is less than [`RESTART_WINDOW`] before
+/// `now`.
+fn recent(since: u64, now_ms: u64) -> bool {
+    since != 0 && now_ms.saturating_sub(since) < RESTART_WINDOW.as_millis() as u64
+}
+
+/// Every blocker of a disk whose runtime is `rt`, at `now_ms`: automatic ones first (in
+/// reason order), then the operator's in the order they were added.
+pub fn blockers(rt: &Runtime, now_ms: u64) -> Vec<Blocker> {
+    let mut out = Vec::new();
+    // The frontend's status is only meaningful while it runs.
+    let status = rt.status.as_ref().filter(|_| rt.pid != 0);
+    if rt.lifecycle.drained || status.is_some_and(|s| s.drained) {
+        out.push(Blocker::automatic(
+            Reason::Draining,
+            "the disk is drained (Drain) until Resume",
+        ));
+    }
+    let window = RESTART_WINDOW.as_secs();
+    let frontend = match rt.state {
+        DiskState::Starting => Some("blkplaned is starting the frontend".to_string()),
+        DiskState::Restarting => Some(format!("the frontend is restarting: {}", rt.reason)),
+        DiskState::Failed => Some(format!("the frontend failed: {}", rt.reason)),
+        DiskState::Stopping => Some("the disk is being removed".to_string()),
+        _ if recent(rt.restarted_unix_ms, now_ms) => Some(format!(
+            "blkplaned restarted the frontend at {}; migration stays blocked for {window} s \
+             after a restart",
+            format_time(rt.restarted_unix_ms)
+        )),
+        _ => None,
+    };
+    if let Some(message) = frontend {
+        out.push(Blocker::automatic(Reason::FrontendRestarting, message));
+    }
+    if let Some(s) = status {
+        if recent(s.last_iothread_restart_unix_ms, now_ms) {
+            out.push(Blocker::automatic(
+                Reason::IothreadRestarted,
+                format!(
+                    "an iothread was replaced at {}; migration stays blocked for {window} s \
+                     after a replacement",
+                    format_time(s.last_iothread_restart_unix_ms)
+                ),
+            ));
+        }
+        if s.vmm_connected && s.acked_protocol_features & PROTOCOL_F_LOG_SHMFD == 0 {
+            let message = if s.offered_protocol_features & PROTOCOL_F_LOG_SHMFD == 0 {
+                "dirty logging is not supported: blkplane does not offer \
+                 VHOST_USER_PROTOCOL_F_LOG_SHMFD or VHOST_F_LOG_ALL yet, so the guest pages \
+                 it writes could not be tracked during a migration"
+            } else {
+                "the VMM did not negotiate dirty logging (VHOST_USER_PROTOCOL_F_LOG_SHMFD), \
+                 so the guest pages blkplane writes could not be tracked during a migration"
+            };
+            out.push(Blocker::automatic(Reason::UnsupportedFeature, message));
+        }
+    }
+    out.extend(rt.lifecycle.migration_blockers.iter().map(|b| Blocker {
+        reason: from_operator(b.reason),
+        message: b.message.clone(),
+        since_unix_ms: Some(b.since_unix_ms),
+    }));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{DiskLifecycle, OperatorBlocker};
+    use blkplane_proto::v1::FrontendStatus;
+
+    const NOW: u64 = 1_700_000_000_000;
+
+    fn running(status: FrontendStatus) -> Runtime {
+        Runtime {
+            state: DiskState::Ready,
+            reason: String::new(),
+            pid: 42,
+            restarts: 0,
+            status: Some(status),
+            lifecycle: DiskLifecycle::default(),
+            restarted_unix_ms: 0,
+        }
+    }
+
+    fn reasons(rt: &Runtime, now: u64) -> Vec<Reason> {
+        blockers(rt, now).iter().map(|b| b.reason).collect()
+    }
+
+    #[test]
+    fn an_idle_disk_is_migratable_and_a_connected_one_is_not() {
+        let mut rt = running(FrontendStatus::default());
+        assert!(blockers(&rt, NOW).is_empty());
+        rt.status = Some(FrontendStatus {
+            vmm_connected: true,
+            acked_protocol_features: 0x1,
+            ..Default::default()
+        });
+        let b = blockers(&rt, NOW);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].reason, Reason::UnsupportedFeature);
+        assert!(b[0].message.contains("does not offer"), "{}", b[0].message);
+        assert!(b[0].line().starts_with("unsupported_feature: "));
+        // A frontend that offers dirty logging, with a VMM that negotiated it: fine.
+        rt.status = Some(FrontendStatus {
+            vmm_connected: true,
+            acked_protocol_features: PROTOCOL_F_LOG_SHMFD,
+            offered_protocol_features: PROTOCOL_F_LOG_SHMFD,
+            ..Default::default()
+        });
+        assert!(blockers(&rt, NOW).is_empty());
+    }
+
+    #[test]
+    fn drained_restarting_and_operator_blockers() {
+        let mut rt = running(FrontendStatus::default());
+        rt.lifecycle = DiskLifecycle {
+            drained: true,
+            migration_blockers: vec![OperatorBlocker {
+                reason: OperatorReason::Backup,
+                message: "nightly".into(),
+                since_unix_ms: 7,
+            }],
+        };
+        let b = blockers(&rt, NOW);
+        assert_eq!(
+            b.iter().map(|b| b.reason).collect::<Vec<_>>(),
+            [Reason::Draining, Reason::OperatorBackup]
+        );
+        assert!(b[0].is_automatic() && !b[1].is_automatic());
+        assert_eq!(b[1].since_unix_ms, Some(7));
+        assert_eq!(b[1].line(), "operator_backup: nightly");
+        // A frontend restarted a moment ago, an iothread replaced a moment ago.
+        rt.lifecycle = DiskLifecycle::default();
+        rt.restarted_unix_ms = NOW - 1000;
+        rt.status = Some(FrontendStatus {
+            last_iothread_restart_unix_ms: NOW - 2000,
+            ..Default::default()
+        });
+        assert_eq!(
+            reasons(&rt, NOW),
+            [Reason::FrontendRestarting, Reason::IothreadRestarted]
+        );
+        // Both expire after the window.
+        let later = NOW + RESTART_WINDOW.as_millis() as u64;
+        assert!(reasons(&rt, later).is_empty());
+        // Not serving: blocked whatever the last status said.
+        for state in [
+            DiskState::Starting,
+            DiskState::Restarting,
+            DiskState::Failed,
+            DiskState::Stopping,
+        ] {
+            rt.state = state;
+            rt.pid = 0;
+            assert_eq!(
+                reasons(&rt, later),
+                [Reason::FrontendRestarting],
+                "{state:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn reason_names() {
+        assert_eq!(parse_reason("backup"), Some(Reason::OperatorBackup as i32));
+        assert_eq!(
+            parse_reason("operator_maintenance"),
+            Some(Reason::OperatorMaintenance as i32)
+        );
+        assert_eq!(
+            parse_reason("MIGRATION_BLOCKER_REASON_OPERATOR_OTHER"),
+            Some(Reason::OperatorOther as i32)
+        );
+        assert_eq!(parse_reason("draining"), Some(Reason::Draining as i32));
+        assert_eq!(parse_reason("99"), Some(99));
+        assert_eq!(parse_reason("nonsense"), None);
+        for r in [
+            OperatorReason::Backup,
+            OperatorReason::Maintenance,
+            OperatorReason::Other,
+        ] {
+            assert_eq!(to_operator(from_operator(r)), Some(r));
+            assert!((from_operator(r) as i32) >= FIRST_OPERATOR_REASON);
+        }
+        assert_eq!(to_operator(Reason::Draining), None);
+    }
+}
