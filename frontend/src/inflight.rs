@@ -25,11 +25,10 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
+use blkplane_proto::shm::{is_sealed_against_shrinking, sealed_memfd, SharedMapping};
 use log::warn;
 
 /// The region layout version this frontend writes and understands.
@@ -157,13 +156,6 @@ pub enum InflightError {
     },
 }
 
-fn os_error(op: &'static str) -> InflightError {
-    InflightError::Os {
-        op,
-        source: io::Error::last_os_error(),
-    }
-}
-
 fn check_geometry(num_queues: u16, queue_size: u16, limits: Limits) -> Result<(), InflightError> {
     if num_queues == 0
         || queue_size == 0
@@ -180,16 +172,8 @@ fn check_geometry(num_queues: u16, queue_size: u16, limits: Limits) -> Result<()
     Ok(())
 }
 
-/// A shared mapping; unmapped on drop.
-struct Mapping {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: plain shared memory; every access goes through atomics (see `Mapping::atomic`).
-unsafe impl Send for Mapping {}
-// SAFETY: as above; only atomics are handed out.
-unsafe impl Sync for Mapping {}
+/// The region's mapping; every access goes through [`Mapping::atomic`].
+struct Mapping(SharedMapping);
 
 /// The atomic types fields of the region are accessed as.
 trait Field: Sized {
@@ -215,34 +199,12 @@ field!(AtomicU64, u64);
 
 impl Mapping {
     fn new(file: &File, len: u64, offset: u64) -> Result<Self, InflightError> {
-        let len_usize = usize::try_from(len).map_err(|_| InflightError::Os {
-            op: "mmap inflight region",
-            source: io::Error::other("larger than the address space"),
-        })?;
-        let offset = libc::off_t::try_from(offset).map_err(|_| InflightError::Unaligned(offset))?;
-        // SAFETY: maps a file we hold a descriptor for at an address the kernel chooses; the
-        // result is checked before use. The caller checked that the range lies inside the file.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                offset,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(os_error("mmap inflight region"));
-        }
-        let base = NonNull::new(ptr.cast::<u8>()).ok_or(InflightError::Os {
-            op: "mmap inflight region",
-            source: io::Error::other("null mapping"),
-        })?;
-        Ok(Self {
-            base,
-            len: len_usize,
-        })
+        SharedMapping::new(file, len, offset)
+            .map(Self)
+            .map_err(|source| InflightError::Os {
+                op: "mmap inflight region",
+                source,
+            })
     }
 
     /// The field of type `T` at byte `offset`, or `None` if it is not entirely inside the
@@ -250,23 +212,13 @@ impl Mapping {
     /// check keeps a bug from becoming an out-of-bounds access).
     fn atomic<T: Field>(&self, offset: usize) -> Option<&T> {
         let end = offset.checked_add(size_of::<T>())?;
-        if end > self.len || !offset.is_multiple_of(align_of::<T>()) {
+        if end > self.0.len() || !offset.is_multiple_of(align_of::<T>()) {
             return None;
         }
         // SAFETY: in bounds (checked above) of a mapping that lives as long as `self`; the base
         // is page aligned so `offset` alignment is the field's; this process only accesses
         // the region through atomics.
-        Some(unsafe { T::at_ptr(self.base.as_ptr().add(offset)) })
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `new` mapped; every user holds the owning `Arc`, so no
-        // reference into it outlives this.
-        unsafe {
-            libc::munmap(self.base.as_ptr().cast(), self.len);
-        }
+        Some(unsafe { T::at_ptr(self.0.as_ptr().add(offset)) })
     }
 }
 
@@ -282,7 +234,7 @@ impl std::fmt::Debug for InflightRegion {
         f.debug_struct("InflightRegion")
             .field("num_queues", &self.num_queues)
             .field("queue_size", &self.queue_size)
-            .field("bytes", &self.mapping.len)
+            .field("bytes", &self.mapping.0.len())
             .finish()
     }
 }
@@ -297,37 +249,14 @@ impl InflightRegion {
     ) -> Result<(Self, File), InflightError> {
         check_geometry(num_queues, queue_size, limits)?;
         let size = region_size(num_queues, queue_size);
-        // SAFETY: the name is a NUL-terminated literal; the result is checked.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"blkplane-inflight".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if fd < 0 {
-            return Err(os_error("memfd_create"));
-        }
-        // SAFETY: `fd` was just returned to us and nothing else owns it.
-        let file = unsafe { File::from_raw_fd(fd) };
-        // A new memfd extended by ftruncate reads as zeros: that is the zeroed region the spec
-        // asks for, without committing memory for pages never touched.
-        file.set_len(size).map_err(|source| InflightError::Os {
-            op: "ftruncate inflight region",
-            source,
-        })?;
-        // Sealed so that neither the VMM nor anyone it passes the fd to can shrink the file
-        // under a mapping (SIGBUS in the worker), and no further seal can be added.
-        // SAFETY: plain fcntl on our own descriptor.
-        let sealed = unsafe {
-            libc::fcntl(
-                file.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            )
-        };
-        if sealed < 0 {
-            return Err(os_error("seal inflight region"));
-        }
+        // A new memfd reads as zeros — the zeroed region the spec asks for, without committing
+        // memory for pages never touched — and is sealed so that neither the VMM nor anyone it
+        // passes the fd to can shrink it under a mapping (SIGBUS in the worker).
+        let file =
+            sealed_memfd(c"blkplane-inflight", size).map_err(|source| InflightError::Os {
+                op: "create inflight memfd",
+                source,
+            })?;
         let mapping = Mapping::new(&file, size, 0)?;
         Ok((
             Self {
@@ -377,9 +306,7 @@ impl InflightRegion {
             Some(end) if end <= file_size => {}
             _ => return Err(past_end),
         }
-        // SAFETY: plain fcntl on a descriptor we own; fails (EINVAL) for files without seals.
-        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        if !is_sealed_against_shrinking(file) {
             return Err(InflightError::NotSealed);
         }
         let mapping = Mapping::new(file, needed, mmap_offset)?;
@@ -392,7 +319,7 @@ impl InflightRegion {
 
     /// Bytes of the region (what GET_INFLIGHT_FD reports as mmap_size).
     pub fn size(&self) -> u64 {
-        self.mapping.len as u64
+        self.mapping.0.len() as u64
     }
 
     /// Device reset: every ring is stopped and drained, so nothing the region still marks
@@ -676,6 +603,7 @@ impl QueueInflight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     const LIMITS: Limits = Limits {
         max_queues: 4,

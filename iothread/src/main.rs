@@ -268,10 +268,9 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
 /// The iothread reads slots straight from the ring mapping, so the file must not be able to
 /// shrink under it; `SharedRing::create` seals it that way.
 fn check_ring_sealed(ring: &File) -> Result<(), SetupError> {
-    // SAFETY: F_GET_SEALS only reads the seals of an fd we own.
-    let seals = unsafe { libc::fcntl(ring.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-        return Err(SetupError::RingNotSealed);
+    if blkplane_proto::shm::is_sealed_against_shrinking(ring) {
+        Ok(())
+    } else {
+        Err(SetupError::RingNotSealed)
     }
-    Ok(())
 }

@@ -1,6 +1,7 @@
 //! Wire formats between blkplane's processes.
 //!
 //! - [`ring`]: the shared-memory batch ring a frontend and one iothread exchange requests on.
+//! - [`shm`]: sealed memfds and shared mappings, the ground both of the above stand on.
 //! - [`control`]: the control messages (setup, memory table, shutdown) on the socket between
 //!   them.
 //! - [`v1`]: the protobuf messages of `blkplane/v1/frontend.proto`, the admin channel between
@@ -10,6 +11,7 @@
 
 pub mod control;
 pub mod ring;
+pub mod shm;
 
 /// Protobuf messages of package `blkplane.v1` generated from `blkplane/v1/frontend.proto`.
 #[allow(missing_docs, clippy::all)]

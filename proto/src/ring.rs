@@ -33,10 +33,10 @@
 use std::fs::File;
 use std::io;
 use std::mem::size_of;
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Arc;
+
+use crate::shm::{sealed_memfd, SharedMapping};
 
 /// The eight bytes at offset 0 of every ring file.
 pub const RING_MAGIC: [u8; 8] = *b"BLKPRING";
@@ -92,13 +92,6 @@ pub enum RingError {
 }
 
 type Result<T> = std::result::Result<T, RingError>;
-
-fn os_error(op: &'static str) -> RingError {
-    RingError::Os {
-        op,
-        source: io::Error::last_os_error(),
-    }
-}
 
 /// The operation a slot asks the iothread to perform.
 #[repr(u32)]
@@ -342,55 +335,24 @@ impl RingHeader {
 }
 
 /// A shared mapping of a ring file; unmapped when the last user drops it.
-struct Mapping {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain shared memory; every access through it goes through atomics or
-// copies of `Copy` values whose consistency is guarded by the queue protocol.
-unsafe impl Send for Mapping {}
-// SAFETY: as above; no interior references are handed out.
-unsafe impl Sync for Mapping {}
+struct Mapping(SharedMapping);
 
 impl Mapping {
     fn new(file: &File, len: u64) -> Result<Self> {
-        let len = usize::try_from(len).map_err(|_| RingError::Geometry("ring too large"))?;
-        // SAFETY: mapping a file we own a descriptor for; the kernel picks the address and we
-        // check the result before using it.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(os_error("mmap ring"));
-        }
-        let base = NonNull::new(ptr.cast::<u8>()).ok_or(RingError::Geometry("null mapping"))?;
-        Ok(Self { base, len })
+        SharedMapping::new(file, len, 0)
+            .map(Self)
+            .map_err(|source| RingError::Os {
+                op: "mmap ring",
+                source,
+            })
     }
 
     /// A pointer `offset` bytes into the mapping; callers only pass offsets that come from a
-    /// validated [`RingLayout`] whose `total_size` is at most `len`.
+    /// validated [`RingLayout`] whose `total_size` is at most the mapping's length.
     fn at<T>(&self, offset: u64) -> *mut T {
-        debug_assert!(offset as usize + size_of::<T>() <= self.len);
+        debug_assert!(offset as usize + size_of::<T>() <= self.0.len());
         // SAFETY: in bounds per the contract above.
-        unsafe { self.base.as_ptr().add(offset as usize).cast::<T>() }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly what `new` mapped; nothing refers to it any more because
-        // every user holds an `Arc<Mapping>`.
-        unsafe {
-            libc::munmap(self.base.as_ptr().cast(), self.len);
-        }
+        unsafe { self.0.as_ptr().add(offset as usize).cast::<T>() }
     }
 }
 
@@ -405,35 +367,12 @@ impl SharedRing {
     /// Creates a new ring in a fresh memfd (the frontend does this, once per iothread).
     pub fn create(slot_count: u32, segments_per_slot: u32) -> Result<Self> {
         let layout = RingLayout::new(slot_count, segments_per_slot)?;
-        // SAFETY: the name is a NUL-terminated literal; the result is checked.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"blkplane-ring".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if fd < 0 {
-            return Err(os_error("memfd_create"));
-        }
-        // SAFETY: `fd` was just returned to us and is owned by nobody else.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(layout.total_size)
-            .map_err(|source| RingError::Os {
-                op: "ftruncate ring",
+        // Sealed so that a hostile iothread cannot shrink the file under us (SIGBUS).
+        let file =
+            sealed_memfd(c"blkplane-ring", layout.total_size).map_err(|source| RingError::Os {
+                op: "create ring memfd",
                 source,
             })?;
-        // Sealing the size means a hostile iothread cannot shrink the file under us (SIGBUS).
-        // SAFETY: plain fcntl on our own descriptor.
-        let sealed = unsafe {
-            libc::fcntl(
-                file.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            )
-        };
-        if sealed < 0 {
-            return Err(os_error("seal ring"));
-        }
         let mapping = Arc::new(Mapping::new(&file, layout.total_size)?);
         // SAFETY: the header fits in HEADER_SIZE at offset 0 of a mapping of total_size bytes.
         unsafe { std::ptr::write_volatile(mapping.at::<RingHeader>(0), layout.header()) };
