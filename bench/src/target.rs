@@ -27,27 +27,8 @@ pub struct CpuList {
 impl CpuList {
     /// Parses a CPU list as taskset -c takes it.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let mut cpus = Vec::new();
-        for part in text.split(',').map(str::trim) {
-            let (first, last) = match part.split_once('-') {
-                Some((a, b)) => (a, b),
-                None => (part, part),
-            };
-            let parse = |s: &str| {
-                s.trim()
-                    .parse::<usize>()
-                    .map_err(|_| format!("{text:?} is not a CPU list like 0,1 or 0-1"))
-            };
-            let (first, last) = (parse(first)?, parse(last)?);
-            if first > last || last >= libc::CPU_SETSIZE as usize {
-                return Err(format!("{text:?}: bad CPU range {part}"));
-            }
-            cpus.extend(first..=last);
-        }
-        cpus.sort_unstable();
-        cpus.dedup();
         Ok(Self {
-            cpus,
+            cpus: blkplane_proto::cpus::parse_cpu_list(text)?,
             text: text.to_owned(),
         })
     }

@@ -229,29 +229,9 @@ pub fn check_image(
 
 /// Parses a CPU list such as `0-1,3` into the CPU numbers (sorted, without duplicates).
 pub fn parse_cpu_list(list: &str) -> Result<Vec<u32>, String> {
-    let mut cpus = Vec::new();
-    for part in list.split(',') {
-        let part = part.trim();
-        let (lo, hi) = match part.split_once('-') {
-            Some((lo, hi)) => (lo.trim(), hi.trim()),
-            None => (part, part),
-        };
-        let parse = |s: &str| {
-            s.parse::<u32>()
-                .map_err(|_| format!("{part:?} is not a CPU number or range like 0-3"))
-        };
-        let (lo, hi) = (parse(lo)?, parse(hi)?);
-        if lo > hi {
-            return Err(format!("range {part:?} is backwards"));
-        }
-        if hi >= libc::CPU_SETSIZE as u32 {
-            return Err(format!("CPU {hi} is beyond {}", libc::CPU_SETSIZE - 1));
-        }
-        cpus.extend(lo..=hi);
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Ok(cpus)
+    // Every CPU is below CPU_SETSIZE (1024), so it fits u32.
+    blkplane_proto::cpus::parse_cpu_list(list)
+        .map(|cpus| cpus.into_iter().map(|c| c as u32).collect())
 }
 
 /// Checks a CPU list: well-formed, and every CPU present on this machine.

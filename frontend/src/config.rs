@@ -34,30 +34,9 @@ pub const SERIAL_LEN: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES a
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CpuList(pub Vec<usize>);
 
-/// Parses a CPU list such as `0-1,3` (the format of `taskset -c` and cpuset files).
+/// Parses a CPU list such as `0-1,3` (see [`blkplane_proto::cpus`]).
 pub fn parse_cpu_list(text: &str) -> Result<CpuList, String> {
-    let limit = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    let mut cpus = Vec::new();
-    for part in text.split(',') {
-        let part = part.trim();
-        let (first, last) = match part.split_once('-') {
-            Some((a, b)) => (a, b),
-            None => (part, part),
-        };
-        let parse = |s: &str| {
-            s.trim()
-                .parse::<usize>()
-                .map_err(|_| format!("{text:?}: {part:?} is not a CPU number or range"))
-        };
-        let (first, last) = (parse(first)?, parse(last)?);
-        if first > last || last >= limit {
-            return Err(format!("{text:?}: bad CPU range {part:?}"));
-        }
-        cpus.extend(first..=last);
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Ok(CpuList(cpus))
+    blkplane_proto::cpus::parse_cpu_list(text).map(CpuList)
 }
 
 /// How the image is accessed and what the guest is told about its write cache.
@@ -308,16 +287,6 @@ mod tests {
         assert_eq!(rw & (1 << VIRTIO_BLK_F_RO), 0);
         assert_ne!(ro & (1 << VIRTIO_BLK_F_RO), 0);
         assert_ne!(rw & (1 << VIRTIO_F_VERSION_1), 0);
-    }
-
-    #[test]
-    fn cpu_lists() {
-        assert_eq!(parse_cpu_list("0").unwrap().0, vec![0]);
-        assert_eq!(parse_cpu_list("0-2,5,1").unwrap().0, vec![0, 1, 2, 5]);
-        assert!(parse_cpu_list("").is_err());
-        assert!(parse_cpu_list("2-1").is_err());
-        assert!(parse_cpu_list("a").is_err());
-        assert!(parse_cpu_list("0-100000").is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Wire formats between blkplane's processes.
 //!
 //! - [`ring`]: the shared-memory batch ring a frontend and one iothread exchange requests on.
+//! - [`cpus`]: CPU lists (`0-1,3`) as the API and the command lines take them.
 //! - [`shm`]: sealed memfds and shared mappings, the ground both of the above stand on.
 //! - [`control`]: the control messages (setup, memory table, shutdown) on the socket between
 //!   them.
@@ -10,6 +11,7 @@
 //!   these messages.
 
 pub mod control;
+pub mod cpus;
 pub mod ring;
 pub mod shm;
 
