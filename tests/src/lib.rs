@@ -113,8 +113,9 @@ fn build_binaries() -> PathBuf {
     cmd.arg("build")
         .arg("--manifest-path")
         .arg(workspace.join("Cargo.toml"))
-        .args(["-p", "blkplane-frontend", "-p", "blkplane-iothread"])
-        .args(["-p", "blkplane-control"])
+        // Every target of the workspace: the same feature unification as `cargo test
+        // --workspace`, so nothing is compiled twice with different features.
+        .args(["--workspace", "--all-targets"])
         .args(["--profile", profile])
         .env("CARGO_TARGET_DIR", &target_dir);
     if let Some(triple) = &triple {
