@@ -231,6 +231,7 @@ pub fn disk_json(d: &Disk) -> Value {
             "cache": cache_name(c.cache),
             "iothread_cpus": c.iothread_cpus,
             "vhost_socket": c.vhost_socket,
+            "incoming_for": c.incoming_for,
         },
         "queues": d.queues.iter().map(queue_status_json).collect::<Vec<_>>(),
     })
@@ -272,13 +273,19 @@ fn pid_or_dash(pid: u32) -> String {
     }
 }
 
-/// `disk list` as a table.
+/// `disk list` as a table. The INCOMING column (the source an incoming disk migrates from)
+/// is there only while some disk is incoming, so that the usual table stays narrow.
 pub fn disks_table(disks: &[Disk]) -> String {
+    let incoming = disks.iter().any(|d| {
+        d.config
+            .as_ref()
+            .is_some_and(|c| !c.incoming_for.is_empty())
+    });
     let rows: Vec<Vec<String>> = disks
         .iter()
         .map(|d| {
             let c = d.config.clone().unwrap_or_default();
-            vec![
+            let mut row = vec![
                 c.id,
                 disk_state(d).into(),
                 if d.vmm_connected { "yes" } else { "no" }.into(),
@@ -291,24 +298,33 @@ pub fn disks_table(disks: &[Disk]) -> String {
                 c.num_queues.to_string(),
                 d.restarts.to_string(),
                 yes_no(d.migratable).into(),
-                c.vhost_socket,
-            ]
+            ];
+            if incoming {
+                row.push(if c.incoming_for.is_empty() {
+                    "-".into()
+                } else {
+                    c.incoming_for
+                });
+            }
+            row.push(c.vhost_socket);
+            row
         })
         .collect();
-    render_table(
-        &[
-            "ID",
-            "STATE",
-            "VMM",
-            "PID",
-            "SIZE",
-            "QUEUES",
-            "RESTARTS",
-            "MIGRATABLE",
-            "SOCKET",
-        ],
-        &rows,
-    )
+    let mut headers = vec![
+        "ID",
+        "STATE",
+        "VMM",
+        "PID",
+        "SIZE",
+        "QUEUES",
+        "RESTARTS",
+        "MIGRATABLE",
+    ];
+    if incoming {
+        headers.push("INCOMING");
+    }
+    headers.push("SOCKET");
+    render_table(&headers, &rows)
 }
 
 /// `disk show` for people.
@@ -317,6 +333,15 @@ pub fn disk_detail(d: &Disk) -> String {
     let mut rows: Vec<(&str, String)> = vec![("id", c.id.clone()), ("state", disk_state(d).into())];
     if !d.state_reason.is_empty() {
         rows.push(("reason", d.state_reason.clone()));
+    }
+    if !c.incoming_for.is_empty() {
+        rows.push((
+            "incoming for",
+            format!(
+                "{} (live-migration destination; takes over once its VMM runs the rings)",
+                c.incoming_for
+            ),
+        ));
     }
     rows.extend([
         (
@@ -685,7 +710,27 @@ mod tests {
         );
         assert_eq!(j["frontend_pid"], 42);
         assert_eq!(j["config"]["cache"], "direct");
+        assert_eq!(j["config"]["incoming_for"], "");
         assert!(disk_detail(&d).contains("frontend pid:"));
+        assert!(!disk_detail(&d).contains("incoming"));
+        assert!(!t.contains("INCOMING"));
+        // An incoming disk: shown in the detail, and the list grows a column for it.
+        let mut incoming = d.clone();
+        if let Some(c) = incoming.config.as_mut() {
+            c.id = "disk1".into();
+            c.incoming_for = "disk0".into();
+        }
+        assert_eq!(disk_json(&incoming)["config"]["incoming_for"], "disk0");
+        assert!(
+            disk_detail(&incoming).contains("\nincoming for:       disk0 (live-migration"),
+            "{}",
+            disk_detail(&incoming)
+        );
+        let t = disks_table(&[d.clone(), incoming]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("MIGRATABLE  INCOMING  SOCKET"), "{t}");
+        assert!(lines[1].contains("  -         /run/disk0.sock"), "{t}");
+        assert!(lines[2].contains("  disk0     /run/disk0.sock"), "{t}");
         let e = Event {
             kind: EventKind::Restarted as i32,
             disk_id: "disk0".into(),

@@ -1,27 +1,30 @@
 //! The disk table and the operations on it, below the gRPC layer: adding (validate, start,
 //! persist), removing (check, persist, stop), reading, resizing, statistics, draining and
-//! resuming, migration blockers; and the start-up of blkplaned (directories, locks, orphan
-//! sweep, adoption of running frontends).
+//! resuming, migration blockers, the takeover of an incoming disk from its live-migration
+//! source; and the start-up of blkplaned (directories, locks, orphan sweep, adoption of
+//! running frontends).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone};
-use log::warn;
+use log::{debug, error, info, warn};
 use thiserror::Error;
 
 use crate::admin::{self, AdminError};
 use crate::events::EventBus;
-use crate::migration::{from_operator, reason_name};
+use crate::migration::{self, from_operator, reason_name};
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
 use crate::proc;
 use crate::state::{
     DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, State, StateError, StateStore, StoredDisk,
 };
-use crate::supervisor::{self, serving, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings};
+use crate::supervisor::{
+    self, serving, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings, TakeoverWait,
+};
 use crate::validate::{self, ValidationError};
 
 /// How blkplaned is set up.
@@ -71,6 +74,18 @@ pub enum DaemonError {
     /// ResizeDisk of a drained disk (growing the image would touch it).
     #[error("disk {0} is drained: nothing may touch its image until Resume")]
     Drained(String),
+    /// ResizeDisk of either disk of a live migration under way: the other frontend, on the
+    /// same image, would keep the old capacity.
+    #[error("disk {id}: a live migration is under way (disk {destination} is incoming for disk {origin}); resize once disk {destination} has taken over, or after removing it")]
+    Migrating {
+        /// The disk asked for.
+        id: String,
+        /// The migration's source disk (not named `source`, which thiserror takes for the
+        /// underlying error).
+        origin: String,
+        /// Its incoming disk.
+        destination: String,
+    },
     /// RemoveMigrationBlocker of a reason the disk has no operator blocker for.
     #[error("reason: disk {id} has no {reason} blocker")]
     NoSuchBlocker {
@@ -221,6 +236,11 @@ impl Daemon {
             _locks: locks,
         });
         daemon.sweep_orphans(&state).await;
+        // Incoming disks found in the state take over like new ones.
+        tokio::spawn(watch_incoming(
+            Arc::downgrade(&daemon),
+            daemon.settings.poll_interval,
+        ));
         let mut disks = lock(&daemon.disks);
         for StoredDisk { spec, lifecycle } in state.disks {
             let id = spec.id.clone();
@@ -317,7 +337,7 @@ impl Daemon {
             disks: disks
                 .values()
                 .map(|d| StoredDisk {
-                    spec: d.spec.clone(),
+                    spec: d.config(),
                     lifecycle: d.runtime().lifecycle,
                 })
                 .collect(),
@@ -403,7 +423,10 @@ impl Daemon {
                     ),
                 });
             }
-            if validate::image_identity(&other.spec.image) == Some(identity) {
+            // The one disk that may share the image: the source this one migrates from
+            // (validate::resolve_incoming made sure it is the source's image).
+            let is_source = spec.incoming_for.as_deref() == Some(other.spec.id.as_str());
+            if !is_source && validate::image_identity(&other.spec.image) == Some(identity) {
                 return Err(ValidationError::AlreadyExists {
                     field: "image",
                     reason: format!(
@@ -432,6 +455,34 @@ impl Daemon {
         Ok(())
     }
 
+    /// The request with the values of its migration source filled in, after checking
+    /// `incoming_for` against the disk table (see [`validate::resolve_incoming`]).
+    fn resolve_incoming(&self, req: &AddDiskRequest) -> Result<AddDiskRequest, ValidationError> {
+        if req.incoming_for.is_empty() {
+            return Ok(req.clone());
+        }
+        let source = lock(&self.disks).get(&req.incoming_for).map(|d| {
+            let blockers: Vec<String> = migration::blockers(&d.runtime(), proc::unix_time_ms())
+                .iter()
+                .map(migration::Blocker::line)
+                .collect();
+            (d.config(), blockers)
+        });
+        let incoming = self
+            .migration_of_id(&req.incoming_for)
+            .map(|(_, destination)| destination);
+        validate::resolve_incoming(
+            req,
+            source
+                .as_ref()
+                .map(|(spec, blockers)| validate::MigrationSource {
+                    spec,
+                    incoming: incoming.as_deref(),
+                    blockers,
+                }),
+        )
+    }
+
     /// AddDisk: validate, start the frontend and wait until it serves, persist, supervise.
     /// On any failure nothing is left: no process, no socket, no state entry, no log.
     pub async fn add_disk(&self, req: AddDiskRequest) -> Result<pb::Disk, DaemonError> {
@@ -445,6 +496,19 @@ impl Daemon {
             }
             .into());
         }
+        // The takeover retires the disk by this name: a new disk must not get it.
+        if let Some((source, destination)) = self.migration_of_id(&req.id) {
+            return Err(ValidationError::AlreadyExists {
+                field: "id",
+                reason: format!(
+                    "disk {destination} is the incoming destination of a migration of a disk \
+                     named {source:?} (removed since); the name stays reserved until \
+                     {destination} has taken over or is removed"
+                ),
+            }
+            .into());
+        }
+        let req = self.resolve_incoming(&req)?;
         let (spec, identity) = validate::check_add(&req, &self.ctx)?;
         self.check_conflicts(&spec, identity)?;
         let paths = DiskPaths::new(&self.settings.disks_dir, &spec);
@@ -491,7 +555,13 @@ impl Daemon {
             EventKind::Added,
             &spec.id,
             pid,
-            format!("serving on {}", spec.vhost_socket.display()),
+            match &spec.incoming_for {
+                None => format!("serving on {}", spec.vhost_socket.display()),
+                Some(source) => format!(
+                    "serving on {}; incoming live-migration destination of disk {source}",
+                    spec.vhost_socket.display()
+                ),
+            },
         );
         Ok(self.disk_info(&handle, false).await)
     }
@@ -543,7 +613,7 @@ impl Daemon {
         let blockers = disk.refresh_migration();
         let s = rt.status.unwrap_or_default();
         pb::Disk {
-            config: Some(disk.spec.to_pb()),
+            config: Some(disk.config().to_pb()),
             state: rt.state as i32,
             state_reason: rt.reason,
             vmm_connected: rt.pid != 0 && s.vmm_connected,
@@ -598,6 +668,13 @@ impl Daemon {
         self.running(&disk)?;
         if disk.runtime().lifecycle.drained {
             return Err(DaemonError::Drained(id.to_string()));
+        }
+        if let Some((origin, destination)) = self.migration_of(&disk) {
+            return Err(DaemonError::Migrating {
+                id: id.to_string(),
+                origin,
+                destination,
+            });
         }
         let admin_err = |source| DaemonError::Admin {
             id: id.to_string(),
@@ -813,6 +890,175 @@ impl Daemon {
         Ok(self.migration_status(&disk))
     }
 
+    /// The live migration `disk` takes part in, as (source, destination) ids: it is incoming,
+    /// or another disk is incoming for it.
+    fn migration_of(&self, disk: &DiskHandle) -> Option<(String, String)> {
+        match disk.runtime().incoming_for {
+            Some(source) => Some((source, disk.spec.id.clone())),
+            None => self.migration_of_id(&disk.spec.id),
+        }
+    }
+
+    /// The live migration whose source is named `id` (whether or not that disk exists), as
+    /// (source, destination) ids.
+    fn migration_of_id(&self, id: &str) -> Option<(String, String)> {
+        lock(&self.disks)
+            .values()
+            .find(|d| d.runtime().incoming_for.as_deref() == Some(id))
+            .map(|d| (id.to_string(), d.spec.id.clone()))
+    }
+
+    /// The incoming disks whose VMM, by the supervisor's last poll, runs the migrated VM.
+    fn takeover_candidates(&self) -> Vec<String> {
+        lock(&self.disks)
+            .values()
+            .filter(|d| {
+                let rt = d.runtime();
+                rt.incoming_for.is_some()
+                    && rt.pid != 0
+                    && serving(rt.state)
+                    && rt
+                        .status
+                        .as_ref()
+                        .is_some_and(|s| s.pid == rt.pid && migration::destination_runs(s))
+            })
+            .map(|d| d.spec.id.clone())
+            .collect()
+    }
+
+    /// The takeover of incoming disk `id` from its migration source, once its VMM runs the
+    /// migrated VM (connected, a ring started; asked again now, not taken from the last
+    /// poll). The source is retired as RemoveDisk with force does it — its frontend and
+    /// iothreads stopped, its files and state entry removed, a REMOVED event — and the
+    /// disk's `incoming_for` is cleared, both in one state write, then MIGRATED is emitted.
+    /// The source is not retired while its frontend serves a running ring (the VM would
+    /// then run on both sides; BOTH_SERVING, once, and an error in the log) or while it
+    /// cannot tell (its frontend runs but does not answer): the next call tries again. A
+    /// source that is gone is not waited for.
+    pub async fn take_over(&self, id: &str) -> Result<(), DaemonError> {
+        let _ops = self.ops.lock().await;
+        // Removed, or already taken over, since it was seen running.
+        let Ok(disk) = self.get_handle(id) else {
+            return Ok(());
+        };
+        let rt = disk.runtime();
+        let Some(source_id) = rt.incoming_for.clone() else {
+            return Ok(());
+        };
+        if rt.pid == 0 || !serving(rt.state) {
+            return Ok(());
+        }
+        let status = admin::status(&disk.paths.admin_socket)
+            .await
+            .map_err(|source| DaemonError::Admin {
+                id: id.to_string(),
+                source,
+            })?;
+        disk.record_status(&status);
+        if status.pid != rt.pid || !migration::destination_runs(&status) {
+            return Ok(());
+        }
+        let source = lock(&self.disks).get(&source_id).cloned();
+        if let Some(src) = &source {
+            if let Some(wait) = self.source_serves(src).await {
+                let first = lock(&disk.takeover_wait).replace(wait) != Some(wait);
+                if first {
+                    self.report_takeover_wait(id, &source_id, rt.pid, wait);
+                }
+                return Ok(());
+            }
+        }
+        info!(
+            "disk {id}: its VMM runs the migrated VM; taking over from disk {source_id}{}",
+            if source.is_some() {
+                " and retiring it"
+            } else {
+                ", which is gone"
+            }
+        );
+        // One write for both changes: after a crash the source is either still there with
+        // this disk incoming (the takeover runs again), or gone with this disk taken over.
+        let mut state = Self::state_from(&lock(&self.disks));
+        state.disks.retain(|d| d.spec.id != source_id);
+        for d in state.disks.iter_mut().filter(|d| d.spec.id == id) {
+            d.spec.incoming_for = None;
+        }
+        self.store.save(&state)?;
+        if source.is_some() {
+            lock(&self.disks).remove(&source_id);
+        }
+        disk.update(|rt| rt.incoming_for = None);
+        *lock(&disk.takeover_wait) = None;
+        disk.push_blockers().await;
+        let message = match &source {
+            Some(src) => {
+                let pid = src.runtime().pid;
+                src.stop().await;
+                self.events.emit(
+                    EventKind::Removed,
+                    &source_id,
+                    pid,
+                    format!("retired: disk {id} took over from it (live migration)"),
+                );
+                format!("disk {id} took over from {source_id}; {source_id} retired")
+            }
+            None => format!(
+                "disk {id} took over from {source_id}; {source_id} had already been removed"
+            ),
+        };
+        self.events
+            .emit(EventKind::Migrated, id, disk.runtime().pid, message);
+        Ok(())
+    }
+
+    /// Why the migration source `src` must not be retired now, if it must not: its frontend
+    /// serves a running ring, or it runs but cannot be asked. A source without a running
+    /// frontend (failed, restarting, starting) serves nothing.
+    async fn source_serves(&self, src: &DiskHandle) -> Option<TakeoverWait> {
+        let rt = src.runtime();
+        if rt.pid == 0 {
+            return None;
+        }
+        match admin::status(&src.paths.admin_socket).await {
+            Ok(status) if status.pid == rt.pid => {
+                src.record_status(&status);
+                migration::serves_running_ring(&status).then_some(TakeoverWait::BothServing)
+            }
+            Ok(status) => {
+                debug!(
+                    "disk {}: the admin socket answers for pid {}, not {}",
+                    src.spec.id, status.pid, rt.pid
+                );
+                Some(TakeoverWait::SourceUnknown)
+            }
+            Err(e) => {
+                debug!("disk {}: status: {e}", src.spec.id);
+                Some(TakeoverWait::SourceUnknown)
+            }
+        }
+    }
+
+    /// Logs (and, for both sides serving, announces) why the takeover of `id` from
+    /// `source` waits; called once when that reason begins.
+    fn report_takeover_wait(&self, id: &str, source: &str, pid: u32, wait: TakeoverWait) {
+        match wait {
+            TakeoverWait::BothServing => {
+                let message = format!(
+                    "the VMM of disk {id} runs its rings while the frontend of disk {source}, \
+                     its migration source, still serves a running ring: the image is served \
+                     by both at once; {source} is retired once its rings stop"
+                );
+                error!("disk {id}: {message}");
+                self.events.emit(EventKind::BothServing, id, pid, message);
+            }
+            TakeoverWait::SourceUnknown => warn!(
+                "disk {id}: its VMM runs, but the frontend of disk {source}, its migration \
+                 source, does not answer, so whether it still serves a ring is unknown; \
+                 {source} is retired once it answers without running rings (or is removed)"
+            ),
+        }
+    }
+
     /// Waits until no disk is starting or restarting (or `timeout` passed); returns the
     /// disks as they are then.
     pub async fn settle(&self, timeout: Duration) -> Vec<pb::Disk> {
@@ -828,6 +1074,23 @@ impl Daemon {
                 return self.list_disks().await;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Hands every incoming disk whose VMM runs the migrated VM to [`Daemon::take_over`], every
+/// `interval` (the supervisors' poll interval, whose status it reads), for as long as the
+/// daemon lives.
+async fn watch_incoming(daemon: Weak<Daemon>, interval: Duration) {
+    loop {
+        tokio::time::sleep(interval).await;
+        let Some(daemon) = daemon.upgrade() else {
+            return;
+        };
+        for id in daemon.takeover_candidates() {
+            if let Err(e) = daemon.take_over(&id).await {
+                warn!("disk {id}: takeover: {e}; trying again");
+            }
         }
     }
 }

@@ -110,6 +110,8 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Resumed => "resumed",
         EventKind::BlockerAdded => "blocker_added",
         EventKind::BlockerRemoved => "blocker_removed",
+        EventKind::Migrated => "migrated",
+        EventKind::BothServing => "both_serving",
     }
 }
 

@@ -10,7 +10,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`service`] | the gRPC service (status codes) |
-//! | [`daemon`] | the disk table and its operations; start-up, orphan sweep |
+//! | [`daemon`] | the disk table and its operations; start-up, orphan sweep; the takeover of an incoming (live-migration destination) disk |
 //! | [`supervisor`] | starting, adopting, stopping and restarting frontends |
 //! | [`state`] | the persisted desired state |
 //! | [`validate`] | input validation, with messages that name the field |

@@ -2,12 +2,14 @@
 //! KubeVirt's LiveMigratable condition.
 //!
 //! Automatic blockers are computed from what blkplaned knows about the disk (its runtime
-//! state and the frontend's last status); operator blockers are part of the disk's persisted
-//! lifecycle. [`blockers`] lists both; `supervisor::DiskHandle` dates them, turns changes into
-//! events and sends the list to the frontend, which refuses dirty logging while it is not
-//! empty.
+//! state — including whether it is the incoming destination of a migration — and the
+//! frontend's last status); operator blockers are part of the disk's persisted lifecycle.
+//! [`blockers`] lists both; `supervisor::DiskHandle` dates them, turns changes into events
+//! and sends the list to the frontend, which refuses dirty logging while it is not empty.
 
 use std::time::Duration;
+
+use blkplane_proto::v1::FrontendStatus;
 
 use crate::ctl::format_time;
 use crate::pb::{DiskState, MigrationBlockerReason as Reason};
@@ -119,6 +121,20 @@ pub fn to_operator(reason: Reason) -> Option<OperatorReason> {
     }
 }
 
+/// Whether a frontend serves at least one running ring: its VMM started it and has not
+/// stopped it (GET_VRING_BASE, RESET_DEVICE or a disconnect stop it).
+pub fn serves_running_ring(status: &FrontendStatus) -> bool {
+    status.queues.iter().any(|q| q.running)
+}
+
+/// Whether the VMM of an incoming disk runs the migrated VM, which is when the disk takes
+/// over: connected, with at least one ring started. A destination VMM (QEMU started with
+/// `-incoming`) connects early, but starts the rings only once the migration has completed
+/// and the VM runs on it; the source VMM has stopped its rings by then.
+pub fn destination_runs(status: &FrontendStatus) -> bool {
+    status.vmm_connected && serves_running_ring(status)
+}
+
 /// Whether `since` (ms since the epoch, 0 for never) is less than [`RESTART_WINDOW`] before
 /// `now`.
 fn recent(since: u64, now_ms: u64) -> bool {
@@ -164,14 +180,31 @@ pub fn blockers(rt: &Runtime, now_ms: u64) -> Vec<Blocker> {
                 ),
             ));
         }
+    }
+    // Whatever the frontend says: a destination that has not taken over yet is not where the
+    // VM runs, so migrating it on would start from a disk the guest has not used.
+    if let Some(source) = &rt.incoming_for {
+        out.push(Blocker::automatic(
+            Reason::Incoming,
+            format!(
+                "destination of a live migration of disk {source}: it becomes migratable once \
+                 its VMM has started the rings (and disk {source} is retired)"
+            ),
+        ));
+    }
+    if let Some(s) = status {
         if s.vmm_connected && s.acked_protocol_features & PROTOCOL_F_LOG_SHMFD == 0 {
             let message = if s.offered_protocol_features & PROTOCOL_F_LOG_SHMFD == 0 {
-                "dirty logging is not supported: blkplane does not offer \
-                 VHOST_USER_PROTOCOL_F_LOG_SHMFD or VHOST_F_LOG_ALL yet, so the guest pages \
-                 it writes could not be tracked during a migration"
+                // A frontend binary from before dirty logging, still running (adopted).
+                "dirty logging is not supported by this disk's frontend: it is an older \
+                 blkplane-frontend that offers neither VHOST_USER_PROTOCOL_F_LOG_SHMFD nor \
+                 VHOST_F_LOG_ALL, so the guest pages the disk writes could not be tracked \
+                 during a migration"
             } else {
-                "the VMM did not negotiate dirty logging (VHOST_USER_PROTOCOL_F_LOG_SHMFD), \
-                 so the guest pages blkplane writes could not be tracked during a migration"
+                "the VMM did not negotiate dirty logging: the frontend offers \
+                 VHOST_USER_PROTOCOL_F_LOG_SHMFD, but this VMM did not acknowledge it, so the \
+                 guest pages the disk writes could not be tracked during a migration (a VMM \
+                 that migrates, such as QEMU, negotiates it when it connects)"
             };
             out.push(Blocker::automatic(Reason::UnsupportedFeature, message));
         }
@@ -188,7 +221,7 @@ pub fn blockers(rt: &Runtime, now_ms: u64) -> Vec<Blocker> {
 mod tests {
     use super::*;
     use crate::state::{DiskLifecycle, OperatorBlocker};
-    use blkplane_proto::v1::FrontendStatus;
+    use blkplane_proto::v1::QueueStatus;
 
     const NOW: u64 = 1_700_000_000_000;
 
@@ -201,6 +234,7 @@ mod tests {
             status: Some(status),
             lifecycle: DiskLifecycle::default(),
             restarted_unix_ms: 0,
+            incoming_for: None,
         }
     }
 
@@ -220,8 +254,33 @@ mod tests {
         let b = blockers(&rt, NOW);
         assert_eq!(b.len(), 1);
         assert_eq!(b[0].reason, Reason::UnsupportedFeature);
-        assert!(b[0].message.contains("does not offer"), "{}", b[0].message);
+        // An older frontend: it offers no dirty logging, and nothing says "yet".
+        assert!(b[0].message.contains("offers neither"), "{}", b[0].message);
+        assert!(!b[0].message.contains("yet"), "{}", b[0].message);
         assert!(b[0].line().starts_with("unsupported_feature: "));
+        // A frontend that offers dirty logging, with a VMM that did not negotiate it.
+        rt.status = Some(FrontendStatus {
+            vmm_connected: true,
+            acked_protocol_features: 0x1,
+            offered_protocol_features: PROTOCOL_F_LOG_SHMFD | 0x1,
+            ..Default::default()
+        });
+        let b = blockers(&rt, NOW);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].reason, Reason::UnsupportedFeature);
+        assert!(
+            b[0].line()
+                .starts_with("unsupported_feature: the VMM did not negotiate dirty logging"),
+            "{}",
+            b[0].line()
+        );
+        assert!(!b[0].message.contains("does not offer"), "{}", b[0].message);
+        // No VMM connected: nothing to say about what it negotiated.
+        rt.status = Some(FrontendStatus {
+            offered_protocol_features: PROTOCOL_F_LOG_SHMFD,
+            ..Default::default()
+        });
+        assert!(blockers(&rt, NOW).is_empty());
         // A frontend that offers dirty logging, with a VMM that negotiated it: fine.
         rt.status = Some(FrontendStatus {
             vmm_connected: true,
@@ -280,6 +339,80 @@ mod tests {
                 "{state:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_incoming_disk_is_blocked_until_it_took_over() {
+        let mut rt = running(FrontendStatus::default());
+        rt.incoming_for = Some("src".into());
+        let b = blockers(&rt, NOW);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].reason, Reason::Incoming);
+        assert!(b[0].is_automatic());
+        assert!(
+            b[0].line().starts_with(
+                "incoming: destination of a live migration of disk src: it becomes \
+                 migratable once its VMM has started the rings"
+            ),
+            "{}",
+            b[0].line()
+        );
+        // Whatever the frontend does: even a VMM running with dirty logging does not lift
+        // it, and it stays while the frontend is restarting, in reason order with the rest.
+        rt.status = Some(FrontendStatus {
+            vmm_connected: true,
+            acked_protocol_features: PROTOCOL_F_LOG_SHMFD,
+            offered_protocol_features: PROTOCOL_F_LOG_SHMFD,
+            ..Default::default()
+        });
+        assert_eq!(reasons(&rt, NOW), [Reason::Incoming]);
+        rt.status = Some(FrontendStatus {
+            vmm_connected: true,
+            offered_protocol_features: PROTOCOL_F_LOG_SHMFD,
+            last_iothread_restart_unix_ms: NOW - 1,
+            ..Default::default()
+        });
+        rt.lifecycle.drained = true;
+        assert_eq!(
+            reasons(&rt, NOW),
+            [
+                Reason::Draining,
+                Reason::IothreadRestarted,
+                Reason::Incoming,
+                Reason::UnsupportedFeature
+            ]
+        );
+        rt.lifecycle.drained = false;
+        rt.state = DiskState::Restarting;
+        rt.pid = 0;
+        assert_eq!(
+            reasons(&rt, NOW),
+            [Reason::FrontendRestarting, Reason::Incoming]
+        );
+        // Taken over: gone.
+        rt.incoming_for = None;
+        assert_eq!(reasons(&rt, NOW), [Reason::FrontendRestarting]);
+    }
+
+    #[test]
+    fn running_rings() {
+        let queue = |index, running| QueueStatus {
+            index,
+            running,
+            broken: false,
+        };
+        let mut s = FrontendStatus {
+            vmm_connected: true,
+            queues: vec![queue(0, false), queue(1, false)],
+            ..Default::default()
+        };
+        // Connected, rings not started: a destination VMM waiting for the migration.
+        assert!(!serves_running_ring(&s) && !destination_runs(&s));
+        s.queues[1].running = true;
+        assert!(serves_running_ring(&s) && destination_runs(&s));
+        // A status without a VMM (stale flags cannot count as a running VM).
+        s.vmm_connected = false;
+        assert!(!destination_runs(&s));
     }
 
     #[test]

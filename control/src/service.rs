@@ -39,10 +39,12 @@ pub fn to_status(e: DaemonError) -> Status {
             ValidationError::Invalid { .. } => Status::invalid_argument(msg),
             ValidationError::NotFound { .. } => Status::not_found(msg),
             ValidationError::AlreadyExists { .. } => Status::already_exists(msg),
+            ValidationError::FailedPrecondition { .. } => Status::failed_precondition(msg),
         },
         DaemonError::NotFound(_) | DaemonError::NoSuchBlocker { .. } => Status::not_found(msg),
         DaemonError::VmmConnected(_)
         | DaemonError::Drained(_)
+        | DaemonError::Migrating { .. }
         | DaemonError::NotRunning { .. }
         | DaemonError::Shrink { .. }
         | DaemonError::Refused { .. } => Status::failed_precondition(msg),
@@ -65,7 +67,14 @@ fn logged(call: &str, e: DaemonError) -> Status {
 impl Control for ControlService {
     async fn add_disk(&self, request: Request<AddDiskRequest>) -> Result<Response<Disk>, Status> {
         let req = request.into_inner();
-        info!("AddDisk {:?} image {:?}", req.id, req.image);
+        if req.incoming_for.is_empty() {
+            info!("AddDisk {:?} image {:?}", req.id, req.image);
+        } else {
+            info!(
+                "AddDisk {:?} image {:?} incoming for {:?}",
+                req.id, req.image, req.incoming_for
+            );
+        }
         let disk = self
             .daemon
             .add_disk(req)

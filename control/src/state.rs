@@ -1,5 +1,6 @@
-//! The desired state: which disks exist, how they are configured, and whether each is drained
-//! and blocked from migration by an operator, persisted as JSON in `STATE_DIR/state.json`.
+//! The desired state: which disks exist, how they are configured (including whether one is
+//! the incoming destination of a live migration), and whether each is drained and blocked
+//! from migration by an operator, persisted as JSON in `STATE_DIR/state.json`.
 //!
 //! Every change is written atomically: a temp file in the same directory is written and
 //! fsynced, renamed over the old file, and the directory is fsynced, so that after a crash
@@ -126,6 +127,10 @@ pub struct DiskSpec {
     pub iothread_cpus: String,
     /// The vhost-user socket.
     pub vhost_socket: PathBuf,
+    /// The disk this one is the incoming live-migration destination of, until it has taken
+    /// over (then `None`). Absent in files written before live migration existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incoming_for: Option<String>,
 }
 
 impl DiskSpec {
@@ -143,6 +148,7 @@ impl DiskSpec {
             cache: self.cache.to_pb() as i32,
             iothread_cpus: self.iothread_cpus.clone(),
             vhost_socket: self.vhost_socket.to_string_lossy().into_owned(),
+            incoming_for: self.incoming_for.clone().unwrap_or_default(),
         }
     }
 }
@@ -353,6 +359,7 @@ mod tests {
             cache: Cache::Writeback,
             iothread_cpus: "0-1".into(),
             vhost_socket: PathBuf::from(format!("/run/{id}.sock")),
+            incoming_for: None,
         }
     }
 
@@ -432,6 +439,28 @@ mod tests {
         let loaded = store.load().unwrap();
         assert_eq!(loaded.disks[0].lifecycle, DiskLifecycle::default());
         assert_eq!(loaded.disks[0].spec.id, "x");
+        assert_eq!(loaded.disks[0].spec.incoming_for, None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn incoming_for_is_persisted_and_shown() {
+        let dir = tmp("incoming");
+        let store = StateStore::new(&dir);
+        let mut b = stored("b");
+        b.spec.incoming_for = Some("a".into());
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![stored("a"), b],
+        };
+        store.save(&state).unwrap();
+        assert_eq!(store.load().unwrap(), state);
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        // Written for the incoming disk only; a file without it reads as not incoming.
+        assert_eq!(text.matches("\"incoming_for\": \"a\"").count(), 1, "{text}");
+        assert_eq!(text.matches("incoming_for").count(), 1, "{text}");
+        assert_eq!(state.disks[1].spec.to_pb().incoming_for, "a");
+        assert_eq!(state.disks[0].spec.to_pb().incoming_for, "");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -701,6 +701,9 @@ pub struct Runtime {
     /// When blkplaned last restarted the frontend (not its first start), in ms since the
     /// epoch; 0 if it never did.
     pub restarted_unix_ms: u64,
+    /// The disk this one is the incoming live-migration destination of, until it takes over
+    /// (persisted with the configuration; see [`DiskHandle::config`]).
+    pub incoming_for: Option<String>,
 }
 
 /// Whether a frontend in `state` serves (the admin channel is expected to answer).
@@ -727,10 +730,22 @@ pub enum Initial {
     AdoptOrStart,
 }
 
+/// Why the takeover of an incoming disk is waiting, as last logged (each reason is logged,
+/// and turned into an event where there is one, once when it begins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeoverWait {
+    /// The source's frontend still serves a running ring: both sides serve the image.
+    BothServing,
+    /// The source's frontend runs but did not answer, so whether its rings run is unknown.
+    SourceUnknown,
+}
+
 /// One disk: its configuration, its runtime state, and its supervision task.
 #[derive(Debug)]
 pub struct DiskHandle {
-    /// The configuration.
+    /// The configuration as added. Its `incoming_for` is always `None` here: whether the disk
+    /// is still incoming changes while it runs, so that lives in [`Runtime::incoming_for`];
+    /// [`DiskHandle::config`] has both together.
     pub spec: DiskSpec,
     /// Its files.
     pub paths: DiskPaths,
@@ -746,18 +761,22 @@ pub struct DiskHandle {
     /// The blocker lines last sent to the frontend, and the pid that took them; the lock
     /// orders the sends.
     pushed: tokio::sync::Mutex<Option<(u32, Vec<String>)>>,
+    /// For an incoming disk: why its takeover waited at the last attempt, if it did.
+    pub takeover_wait: Mutex<Option<TakeoverWait>>,
 }
 
 impl DiskHandle {
     /// Starts supervising a disk with its persisted `lifecycle`; the task runs until
     /// [`DiskHandle::stop`].
     pub fn spawn(
-        spec: DiskSpec,
+        mut spec: DiskSpec,
         lifecycle: DiskLifecycle,
         settings: Arc<Settings>,
         events: EventBus,
         initial: Initial,
     ) -> Arc<DiskHandle> {
+        // One place for a value that changes: the runtime (see the `spec` field).
+        let incoming_for = spec.incoming_for.take();
         let paths = DiskPaths::new(&settings.disks_dir, &spec);
         let (stop_tx, stop_rx) = watch::channel(false);
         let (state, pid, status) = match &initial {
@@ -777,6 +796,7 @@ impl DiskHandle {
                 status,
                 lifecycle,
                 restarted_unix_ms: 0,
+                incoming_for,
             }),
             events: events.clone(),
             stop_tx,
@@ -784,6 +804,7 @@ impl DiskHandle {
             lifecycle_op: tokio::sync::Mutex::new(()),
             published: Mutex::new(BTreeMap::new()),
             pushed: tokio::sync::Mutex::new(None),
+            takeover_wait: Mutex::new(None),
         });
         disk.refresh_migration();
         let task = tokio::spawn(supervise(
@@ -800,6 +821,15 @@ impl DiskHandle {
     /// A copy of the runtime state.
     pub fn runtime(&self) -> Runtime {
         lock(&self.runtime).clone()
+    }
+
+    /// The disk's configuration now, as it is persisted and shown: [`DiskHandle::spec`] with
+    /// the current `incoming_for`.
+    pub fn config(&self) -> DiskSpec {
+        DiskSpec {
+            incoming_for: lock(&self.runtime).incoming_for.clone(),
+            ..self.spec.clone()
+        }
     }
 
     /// Records a fresh status of the running frontend (from the supervisor's poll or an API
@@ -1256,6 +1286,7 @@ mod tests {
             cache: Cache::Writeback,
             iothread_cpus: "0-1".into(),
             vhost_socket: "/run/d.sock".into(),
+            incoming_for: None,
         }
     }
 

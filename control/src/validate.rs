@@ -2,7 +2,8 @@
 //! person reading `blkplanectl`'s error) knows what to fix.
 //!
 //! Checks here look at the request and the file system only; the checks against other disks
-//! (duplicate id, image or socket) are done by the service, which sees the disk table.
+//! (duplicate id, image or socket) are done by the service, which sees the disk table and
+//! hands [`resolve_incoming`] the source disk of an incoming one.
 
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -65,6 +66,14 @@ pub enum ValidationError {
         /// Who has it.
         reason: String,
     },
+    /// The field names a disk whose state forbids the request (FAILED_PRECONDITION).
+    #[error("{field}: {reason}")]
+    FailedPrecondition {
+        /// The request field.
+        field: &'static str,
+        /// What about that disk forbids it.
+        reason: String,
+    },
 }
 
 impl ValidationError {
@@ -73,7 +82,8 @@ impl ValidationError {
         match self {
             ValidationError::Invalid { field, .. }
             | ValidationError::NotFound { field, .. }
-            | ValidationError::AlreadyExists { field, .. } => field,
+            | ValidationError::AlreadyExists { field, .. }
+            | ValidationError::FailedPrecondition { field, .. } => field,
         }
     }
 }
@@ -101,12 +111,17 @@ pub struct Context {
 /// Checks a disk id: 1..=64 characters of `[A-Za-z0-9._-]`, not starting with '.' (so that it
 /// can name files: no separators, no `.`/`..`, no hidden files).
 pub fn check_id(id: &str) -> Result<(), ValidationError> {
+    check_id_in("id", id)
+}
+
+/// [`check_id`] for a disk id in request field `field`.
+fn check_id_in(field: &'static str, id: &str) -> Result<(), ValidationError> {
     if id.is_empty() {
-        return Err(invalid("id", "must not be empty"));
+        return Err(invalid(field, "must not be empty"));
     }
     if id.len() > MAX_ID_LEN {
         return Err(invalid(
-            "id",
+            field,
             format!("{} characters; at most {MAX_ID_LEN} are allowed", id.len()),
         ));
     }
@@ -115,14 +130,165 @@ pub fn check_id(id: &str) -> Result<(), ValidationError> {
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
     {
         return Err(invalid(
-            "id",
+            field,
             format!("{id:?} contains {c:?}; only A-Z, a-z, 0-9, '.', '_' and '-' are allowed"),
         ));
     }
     if id.starts_with('.') {
-        return Err(invalid("id", format!("{id:?} must not start with '.'")));
+        return Err(invalid(field, format!("{id:?} must not start with '.'")));
     }
     Ok(())
+}
+
+/// The source disk of an incoming disk, as [`resolve_incoming`] needs to see it.
+#[derive(Debug, Clone, Copy)]
+pub struct MigrationSource<'a> {
+    /// Its configuration now; its `incoming_for` says whether it is itself still incoming.
+    pub spec: &'a DiskSpec,
+    /// The id of the disk that already is its incoming destination, if there is one.
+    pub incoming: Option<&'a str>,
+    /// Its migration blockers now, one `reason: message` line each.
+    pub blockers: &'a [String],
+}
+
+/// Checks `incoming_for` of an AddDisk request against the disk it names (`source`: `None`
+/// when no disk has that id) and returns the request with the fields the guest sees taken
+/// from the source where the request leaves them zero or empty: the image, `read_only`,
+/// `serial`, `num_queues`, `queue_size`, `block_size`. A value the request does set must be
+/// the source's, because the migrated guest must find the same device; the image may be
+/// named by another path, but must be the same file. A request without `incoming_for` is
+/// returned as it is. [`check_add`] then checks the result like any request.
+pub fn resolve_incoming(
+    req: &AddDiskRequest,
+    source: Option<MigrationSource<'_>>,
+) -> Result<AddDiskRequest, ValidationError> {
+    const F: &str = "incoming_for";
+    if req.incoming_for.is_empty() {
+        return Ok(req.clone());
+    }
+    check_id_in(F, &req.incoming_for)?;
+    if req.incoming_for == req.id {
+        return Err(invalid(
+            F,
+            format!(
+                "{:?} is this disk's own id; name the disk it takes over from",
+                req.id
+            ),
+        ));
+    }
+    let Some(source) = source else {
+        return Err(ValidationError::NotFound {
+            field: F,
+            reason: format!("no disk named {:?}", req.incoming_for),
+        });
+    };
+    let src = source.spec;
+    let name = &src.id;
+    if let Some(its_source) = &src.incoming_for {
+        return Err(ValidationError::FailedPrecondition {
+            field: F,
+            reason: format!(
+                "disk {name} is itself the incoming destination of a migration of disk \
+                 {its_source}; it has to take over before it can be migrated on"
+            ),
+        });
+    }
+    if let Some(other) = source.incoming {
+        return Err(ValidationError::FailedPrecondition {
+            field: F,
+            reason: format!(
+                "disk {name} already has an incoming disk, {other}; remove {other} to start \
+                 another migration"
+            ),
+        });
+    }
+    // The destination's frontend is what a migration needs first (its VMM connects to it):
+    // refusing it is how a blocked migration fails before any VMM is involved, with every
+    // QEMU (10.0 aborts when a back-end refuses to start dirty logging).
+    if !source.blockers.is_empty() {
+        return Err(ValidationError::FailedPrecondition {
+            field: F,
+            reason: format!(
+                "disk {name} must not be migrated now: {}",
+                source.blockers.join("; ")
+            ),
+        });
+    }
+    let mut out = req.clone();
+    let src_image = src.image.to_string_lossy();
+    if req.image.is_empty() {
+        out.image = src_image.into_owned();
+    } else if Path::new(&req.image).is_absolute() {
+        // Only a file that exists can be compared; check_add reports any other problem with
+        // the path in its own words.
+        if let Some(identity) = image_identity(Path::new(&req.image)) {
+            if image_identity(&src.image) != Some(identity) {
+                return Err(invalid(
+                    "image",
+                    format!(
+                        "{} is not the image of disk {name} ({src_image}); an incoming disk \
+                         serves its source's image (leave it empty to take it)",
+                        req.image
+                    ),
+                ));
+            }
+        }
+    }
+    // A value set in the request must be the source's; zero or empty takes the source's.
+    let differs = |field: &'static str, requested: String, source: String| {
+        invalid(
+            field,
+            format!(
+                "{requested} differs from {source} of disk {name}, the migration source; the \
+                 migrated guest must find the same device (leave it unset to take the \
+                 source's)"
+            ),
+        )
+    };
+    if req.read_only && !src.read_only {
+        return Err(invalid(
+            "read_only",
+            format!(
+                "set, but disk {name}, the migration source, is writable; the migrated guest \
+                 must find the same device (leave it unset to take the source's)"
+            ),
+        ));
+    }
+    out.read_only = src.read_only;
+    if !req.serial.is_empty() && req.serial != src.serial {
+        return Err(differs(
+            "serial",
+            format!("{:?}", req.serial),
+            format!("{:?}", src.serial),
+        ));
+    }
+    out.serial = src.serial.clone();
+    for (field, requested, source, slot) in [
+        (
+            "num_queues",
+            req.num_queues,
+            u32::from(src.num_queues),
+            &mut out.num_queues,
+        ),
+        (
+            "queue_size",
+            req.queue_size,
+            u32::from(src.queue_size),
+            &mut out.queue_size,
+        ),
+        (
+            "block_size",
+            req.block_size,
+            src.block_size,
+            &mut out.block_size,
+        ),
+    ] {
+        if requested != 0 && requested != source {
+            return Err(differs(field, requested.to_string(), source.to_string()));
+        }
+        *slot = source;
+    }
+    Ok(out)
 }
 
 /// Who an image is, to find two disks on one image whatever path names it: (device, inode)
@@ -358,7 +524,8 @@ pub fn resolve_vhost_socket(
 
 /// Checks an AddDisk request and turns it into the disk's stored configuration (defaults
 /// filled in, socket path resolved). Returns the image's identity too, for the duplicate
-/// check.
+/// check. `incoming_for` is taken as it is: [`resolve_incoming`] checks it (against the
+/// source disk, which only the caller can look up) and fills in the source's values first.
 pub fn check_add(
     req: &AddDiskRequest,
     ctx: &Context,
@@ -472,6 +639,7 @@ pub fn check_add(
         cache,
         iothread_cpus,
         vhost_socket,
+        incoming_for: (!req.incoming_for.is_empty()).then(|| req.incoming_for.clone()),
     };
     Ok((spec, identity))
 }
@@ -857,6 +1025,204 @@ mod tests {
         for bad in ["", "  ", "a\nb", &"x".repeat(257)] {
             assert_eq!(check_blocker_message(bad).unwrap_err().field(), "message");
         }
+    }
+
+    /// The source disk of the incoming tests: added from `request(tmp)` with non-default
+    /// device fields.
+    fn source_spec(tmp: &Tmp) -> DiskSpec {
+        let mut r = request(tmp);
+        r.id = "src".into();
+        r.read_only = true;
+        r.serial = "SER-1".into();
+        r.num_queues = 4;
+        r.queue_size = 128;
+        r.block_size = 4096;
+        check_add(&r, &ctx(tmp)).unwrap().0
+    }
+
+    #[test]
+    fn incoming_takes_the_source_device() {
+        let tmp = Tmp::new("incoming");
+        let c = ctx(&tmp);
+        let src = source_spec(&tmp);
+        let source = Some(MigrationSource {
+            spec: &src,
+            incoming: None,
+            blockers: &[],
+        });
+        let req = AddDiskRequest {
+            id: "dst".into(),
+            incoming_for: "src".into(),
+            iothreads: 2,
+            ..Default::default()
+        };
+        // Empty and zero: everything the guest sees comes from the source; the iothreads
+        // (not seen by the guest) are the request's own.
+        let resolved = resolve_incoming(&req, source).unwrap();
+        let (spec, identity) = check_add(&resolved, &c).unwrap();
+        assert_eq!(spec.image, src.image);
+        assert_eq!((spec.read_only, spec.serial.as_str()), (true, "SER-1"));
+        assert_eq!(
+            (
+                spec.num_queues,
+                spec.queue_size,
+                spec.block_size,
+                spec.iothreads
+            ),
+            (4, 128, 4096, 2)
+        );
+        assert_eq!(spec.incoming_for.as_deref(), Some("src"));
+        assert_eq!(spec.vhost_socket, tmp.0.join("disks/dst.sock"));
+        assert_eq!(image_identity(&src.image), Some(identity));
+        // The same values spelled out, and the image by another path, are fine too.
+        let link = tmp.0.join("link.img");
+        std::os::unix::fs::symlink(&src.image, &link).unwrap();
+        let same = AddDiskRequest {
+            image: link.to_str().unwrap().into(),
+            read_only: true,
+            serial: "SER-1".into(),
+            num_queues: 4,
+            queue_size: 128,
+            block_size: 4096,
+            ..req.clone()
+        };
+        let (spec, _) = check_add(&resolve_incoming(&same, source).unwrap(), &c).unwrap();
+        assert_eq!(spec.image, link);
+        // An ordinary request passes through untouched.
+        let plain = request(&tmp);
+        assert_eq!(resolve_incoming(&plain, None).unwrap(), plain);
+        assert_eq!(check_add(&plain, &c).unwrap().0.incoming_for, None);
+    }
+
+    #[test]
+    fn incoming_rules() {
+        let tmp = Tmp::new("incrules");
+        let src = source_spec(&tmp);
+        let source = Some(MigrationSource {
+            spec: &src,
+            incoming: None,
+            blockers: &[],
+        });
+        let base = AddDiskRequest {
+            id: "dst".into(),
+            incoming_for: "src".into(),
+            ..Default::default()
+        };
+        let with = |f: &dyn Fn(&mut AddDiskRequest)| {
+            let mut r = base.clone();
+            f(&mut r);
+            resolve_incoming(&r, source)
+        };
+        let other = tmp.0.join("other.img");
+        std::fs::File::create(&other)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let invalid_field = |r: Result<AddDiskRequest, ValidationError>| match r {
+            Err(ValidationError::Invalid { field, reason }) => {
+                assert!(!reason.is_empty());
+                field
+            }
+            other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+        };
+        assert_eq!(
+            invalid_field(with(&|r| r.image = other.to_str().unwrap().into())),
+            "image"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.serial = "SER-2".into())),
+            "serial"
+        );
+        assert_eq!(invalid_field(with(&|r| r.num_queues = 2)), "num_queues");
+        assert_eq!(invalid_field(with(&|r| r.queue_size = 256)), "queue_size");
+        assert_eq!(invalid_field(with(&|r| r.block_size = 512)), "block_size");
+        assert_eq!(
+            invalid_field(with(&|r| r.incoming_for = "a/b".into())),
+            "incoming_for"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.incoming_for = "dst".into())),
+            "incoming_for"
+        );
+        let e = with(&|r| r.num_queues = 2).unwrap_err().to_string();
+        assert!(
+            e.starts_with("num_queues: 2 differs from 4 of disk src"),
+            "{e}"
+        );
+        // read_only unset takes the source's; set on a writable source is refused.
+        let mut writable = src.clone();
+        writable.read_only = false;
+        let ws = Some(MigrationSource {
+            spec: &writable,
+            incoming: None,
+            blockers: &[],
+        });
+        let mut ro = base.clone();
+        ro.read_only = true;
+        assert_eq!(invalid_field(resolve_incoming(&ro, ws)), "read_only");
+        // A missing image is check_add's to report (NOT_FOUND), not a mismatch.
+        let missing = with(&|r| r.image = tmp.0.join("gone.img").to_str().unwrap().into());
+        assert!(missing.is_ok(), "{missing:?}");
+        // No such disk; a source that is incoming itself, or already has an incoming disk.
+        assert!(matches!(
+            resolve_incoming(&base, None),
+            Err(ValidationError::NotFound {
+                field: "incoming_for",
+                ..
+            })
+        ));
+        let mut incoming_src = src.clone();
+        incoming_src.incoming_for = Some("older".into());
+        let e = resolve_incoming(
+            &base,
+            Some(MigrationSource {
+                spec: &incoming_src,
+                incoming: None,
+                blockers: &[],
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ValidationError::FailedPrecondition {
+                    field: "incoming_for",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = resolve_incoming(
+            &base,
+            Some(MigrationSource {
+                spec: &src,
+                incoming: Some("dst0"),
+                blockers: &[],
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("already has an incoming disk, dst0"),
+            "{e}"
+        );
+        assert_eq!(e.field(), "incoming_for");
+        // A source that must not be migrated now gets no destination; the reasons are named.
+        let blockers = ["operator_backup: nightly".to_string()];
+        let e = resolve_incoming(
+            &base,
+            Some(MigrationSource {
+                spec: &src,
+                incoming: None,
+                blockers: &blockers,
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, ValidationError::FailedPrecondition { .. }),
+            "{e:?}"
+        );
+        assert_eq!(e.field(), "incoming_for");
+        assert!(e.to_string().contains("operator_backup: nightly"), "{e}");
     }
 
     #[test]

@@ -23,7 +23,6 @@ use log::{info, warn};
 use prost::Message;
 
 use crate::config::DiskConfig;
-use crate::lifecycle::dirty_logging_offered;
 use crate::stats::{bucket_upper_bound_us, DeviceStatus};
 
 /// Largest frame accepted, in bytes.
@@ -229,7 +228,7 @@ pub fn device_status(status: &DeviceStatus, capacity_bytes: u64) -> FrontendStat
             .collect(),
         pid: std::process::id(),
         drained: status.drained.load(Ordering::Relaxed),
-        migration_blockers: status.migration_blockers(dirty_logging_offered()),
+        migration_blockers: status.migration_blockers(),
         last_iothread_restart_unix_ms: status
             .iothreads
             .iter()

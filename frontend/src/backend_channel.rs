@@ -15,7 +15,7 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
-use vhost::vhost_user::message::{BackendReq, FrontendReq};
+use vhost::vhost_user::message::{BackendReq, FrontendReq, VhostUserHeaderFlag};
 
 /// Size of a vhost-user message header: request, flags, size (u32 each, little-endian).
 const HEADER_LEN: usize = 12;
@@ -37,9 +37,25 @@ fn header(request: u32) -> [u8; HEADER_LEN] {
     bytes
 }
 
-/// Reads the request code of the next message on `socket` without consuming it. Blocks until
-/// a header is available; `Ok(None)` at end of stream.
-pub fn peek_request_code(socket: RawFd) -> io::Result<Option<u32>> {
+/// The request code and flags of a message not yet read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeekedHeader {
+    /// The request code (`u32::MAX` for a partial header, which the dispatcher then rejects).
+    pub code: u32,
+    /// The header flags.
+    pub flags: u32,
+}
+
+impl PeekedHeader {
+    /// The VMM asked for a REPLY_ACK status (VHOST_USER_NEED_REPLY).
+    pub fn needs_reply(&self) -> bool {
+        self.flags & VhostUserHeaderFlag::NEED_REPLY.bits() != 0
+    }
+}
+
+/// Reads the header of the next message on `socket` without consuming it. Blocks until a
+/// header is available; `Ok(None)` at end of stream.
+pub fn peek_header(socket: RawFd) -> io::Result<Option<PeekedHeader>> {
     let mut header = [0u8; HEADER_LEN];
     loop {
         // SAFETY: receives at most HEADER_LEN bytes into a local buffer; MSG_PEEK leaves them
@@ -64,11 +80,17 @@ pub fn peek_request_code(socket: RawFd) -> io::Result<Option<u32>> {
             }
             n if (n as usize) < HEADER_LEN => {
                 // A partial header: let the dispatcher read it and report the error.
-                return Ok(Some(u32::MAX));
+                return Ok(Some(PeekedHeader {
+                    code: u32::MAX,
+                    flags: 0,
+                }));
             }
             _ => {
-                let [a, b, c, d, ..] = header;
-                return Ok(Some(u32::from_le_bytes([a, b, c, d])));
+                let [a, b, c, d, e, f, g, h, ..] = header;
+                return Ok(Some(PeekedHeader {
+                    code: u32::from_le_bytes([a, b, c, d]),
+                    flags: u32::from_le_bytes([e, f, g, h]),
+                }));
             }
         }
     }
@@ -198,7 +220,7 @@ mod tests {
             .unwrap();
         drop(channel_backend);
 
-        let code = peek_request_code(backend.as_raw_fd()).unwrap().unwrap();
+        let code = peek_header(backend.as_raw_fd()).unwrap().unwrap().code;
         assert!(is_set_backend_req_fd(code));
         let dup = peek_attached_fd(backend.as_raw_fd()).unwrap().unwrap();
         let channel = BackendChannel::default();
@@ -228,6 +250,6 @@ mod tests {
     fn end_of_stream_is_none() {
         let (vmm, backend) = UnixStream::pair().unwrap();
         drop(vmm);
-        assert_eq!(peek_request_code(backend.as_raw_fd()).unwrap(), None);
+        assert_eq!(peek_header(backend.as_raw_fd()).unwrap(), None);
     }
 }

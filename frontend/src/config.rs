@@ -162,7 +162,9 @@ impl DiskConfig {
         if self.read_only {
             bits |= 1 << VIRTIO_BLK_F_RO;
         }
+        // LOG_ALL: the VMM may start dirty logging for a live migration (see dirty_log.rs).
         bits | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            | VhostUserVirtioFeatures::LOG_ALL.bits()
     }
 
     /// The vhost-user protocol features offered (REPLY_ACK is added by the vhost crate).
@@ -174,6 +176,7 @@ impl DiskConfig {
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::LOG_SHMFD
     }
 
     /// The config space as the guest reads it now.

@@ -13,10 +13,9 @@
 //!
 //! **Migration blockers:** blkplaned sends the reasons a disk must not be migrated
 //! (SetMigrationBlockers on the admin channel); [`check_dirty_logging`] refuses a VMM's
-//! attempt to start dirty logging (VHOST_F_LOG_ALL, SET_LOG_BASE) while any reason holds,
-//! and logs them. The frontend adds its own reasons: it is drained, and it does not offer
-//! dirty logging at all yet (no VHOST_USER_PROTOCOL_F_LOG_SHMFD), so today every attempt is
-//! refused.
+//! attempt to start dirty logging (SET_FEATURES with VHOST_F_LOG_ALL) while any reason holds,
+//! and logs them. The frontend adds its own reason: it is drained. (SET_LOG_BASE is accepted
+//! even then: its reply carries no status, and a mapped log marks nothing until LOG_ALL.)
 
 use std::io;
 use std::sync::mpsc::Receiver;
@@ -24,10 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use blkplane_proto::v1::Drained;
 use log::{info, warn};
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
 
 use crate::admin::Lifecycle;
-use crate::config::DiskConfig;
 use crate::image::Image;
 use crate::stats::DeviceStatus;
 use crate::vhost_user::BlkBackend;
@@ -55,18 +52,13 @@ pub struct MigrationBlocked {
     pub reasons: Vec<String>,
 }
 
-/// Whether this frontend offers dirty logging (VHOST_USER_PROTOCOL_F_LOG_SHMFD) at all.
-pub fn dirty_logging_offered() -> bool {
-    DiskConfig::protocol_features().contains(VhostUserProtocolFeatures::LOG_SHMFD)
-}
-
 /// Refuses to start dirty logging (`what`: the VMM's request) while any migration blocker
 /// holds, logging every reason; the caller turns the error into a vhost-user error reply.
 pub fn check_dirty_logging(
     status: &DeviceStatus,
     what: &'static str,
 ) -> Result<(), MigrationBlocked> {
-    let reasons = status.migration_blockers(dirty_logging_offered());
+    let reasons = status.migration_blockers();
     if reasons.is_empty() {
         return Ok(());
     }
@@ -153,7 +145,7 @@ pub fn resume_all<P: Pausable>(workers: &[P]) -> Result<(), LifecycleError> {
 /// Makes the image durable: fdatasync on the frontend's own (buffered) descriptor, which
 /// covers what the iothreads wrote through theirs, O_DIRECT included, as it is one file.
 /// Returns whether there was anything to sync (a null image has no file).
-fn sync_image(image: &Image) -> io::Result<bool> {
+pub(crate) fn sync_image(image: &Image) -> io::Result<bool> {
     match image {
         Image::File(file) => file.buffered.sync_data().map(|()| true),
         Image::Null { .. } => Ok(false),
@@ -254,11 +246,13 @@ impl Lifecycle for Quiescer {
 mod tests {
     use super::*;
     use crate::backend_channel::BackendChannel;
-    use crate::config::CacheMode;
+    use crate::config::{CacheMode, DiskConfig};
     use std::cell::Cell;
     use std::sync::atomic::Ordering;
     use std::sync::mpsc;
-    use vhost::vhost_user::message::{VhostUserLog, VhostUserVirtioFeatures};
+    use vhost::vhost_user::message::{
+        VhostUserLog, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+    };
     use vhost::vhost_user::VhostUserBackendReqHandlerMut;
 
     /// A worker that answers at once: `in_flight` requests waited for, or gone.
@@ -371,6 +365,7 @@ mod tests {
             disk,
             Arc::clone(status),
             Arc::new(BackendChannel::default()),
+            Arc::new(Image::Null { size: 1 << 20 }),
             Vec::new(),
         )))
     }
@@ -389,7 +384,7 @@ mod tests {
         let done = q.drain(true).unwrap();
         assert_eq!((done.waited_requests, done.flushed), (0, true));
         assert!(status.drained.load(Ordering::Relaxed));
-        assert!(status.migration_blockers(true)[0].starts_with("draining: "));
+        assert!(status.migration_blockers()[0].starts_with("draining: "));
         // Idempotent both ways.
         assert!(!q.drain(false).unwrap().flushed);
         q.resume().unwrap();
@@ -421,18 +416,27 @@ mod tests {
             err.to_string().contains("operator_backup: nightly"),
             "{err}"
         );
+        assert_ne!(offered & log_all, 0, "LOG_ALL is offered");
+        // The log itself is taken (its reply has no status); logging is what is refused.
+        let log = blkplane_proto::shm::sealed_memfd(c"log", 4096).unwrap();
+        backend
+            .set_log_base(&VhostUserLog::new(4096, 0), log)
+            .unwrap();
+        // Refused with a REPLY_ACK status once the VMM negotiated it: the session goes on.
         assert!(backend.set_features(offered | log_all).is_err());
-        let devnull = std::fs::File::open("/dev/null").unwrap();
-        assert!(backend
-            .set_log_base(&VhostUserLog::new(4096, 0), devnull)
-            .is_err());
+        assert!(!backend.take_acked_refusal(), "no REPLY_ACK negotiated");
+        backend
+            .set_protocol_features(VhostUserProtocolFeatures::REPLY_ACK.bits())
+            .unwrap();
+        assert!(backend.set_features(offered | log_all).is_err());
+        assert!(backend.take_acked_refusal());
+        assert!(!backend.take_acked_refusal(), "taken once");
         // Features without LOG_ALL are still fine.
-        backend.set_features(offered).unwrap();
+        backend.set_features(offered & !log_all).unwrap();
         status.set_migration_blockers(Vec::new());
-        // The frontend's own reason stays as long as it offers no dirty logging.
-        assert_eq!(
-            check_dirty_logging(&status, "SET_LOG_BASE").is_err(),
-            !dirty_logging_offered()
-        );
+        assert!(check_dirty_logging(&status, "VHOST_F_LOG_ALL").is_ok());
+        backend.set_features(offered | log_all).unwrap();
+        // Clearing LOG_ALL (a cancelled migration) stops logging.
+        backend.set_features(offered & !log_all).unwrap();
     }
 }

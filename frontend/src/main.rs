@@ -5,6 +5,7 @@
 mod admin;
 mod backend_channel;
 mod config;
+mod dirty_log;
 mod image;
 mod inflight;
 mod iothread;
@@ -191,6 +192,7 @@ fn run(args: Args) -> Result<(), String> {
         Arc::clone(&disk),
         Arc::clone(&status),
         Arc::clone(&backend_channel),
+        Arc::clone(&image),
         workers,
     )));
     let quiescer = Arc::new(Quiescer::new(
@@ -239,39 +241,53 @@ fn run(args: Args) -> Result<(), String> {
         info!("VMM connected");
         status.vmm_connected.store(true, Ordering::Relaxed);
         let reason = loop {
-            if let Err(e) = peek_backend_channel(connection.as_raw_fd(), &backend_channel) {
-                break e;
-            }
+            let header = match peek_backend_channel(connection.as_raw_fd(), &backend_channel) {
+                Ok(header) => header,
+                Err(e) => break e,
+            };
             if let Err(e) = connection.handle_request() {
-                break e.to_string();
+                // A refusal the VMM asked to be told about (REPLY_ACK) was answered with an
+                // error status: the VMM fails what it tried (a migration) and goes on.
+                let acked = header.needs_reply() && lock(&backend).take_acked_refusal();
+                if !acked {
+                    break e.to_string();
+                }
             }
         };
-        // Any error ends the session: a GET_* request that failed has no reply to send, so
-        // the VMM would wait forever on a connection kept open.
+        // Any other error ends the session: a GET_* request that failed has no reply to send,
+        // so the VMM would wait forever on a connection kept open.
         info!("VMM disconnected: {reason}");
         drop(connection);
-        match backend.lock() {
-            Ok(mut device) => device.disconnect(),
-            Err(poisoned) => poisoned.into_inner().disconnect(),
-        }
+        lock(&backend).disconnect();
         status.vmm_connected.store(false, Ordering::Relaxed);
     }
 }
 
-/// Waits for the next vhost-user message; when it is SET_BACKEND_REQ_FD keeps a duplicate of
-/// its descriptor (see backend_channel.rs). Errors end the session.
-fn peek_backend_channel(socket: RawFd, channel: &BackendChannel) -> Result<(), String> {
-    match backend_channel::peek_request_code(socket) {
+/// Waits for the next vhost-user message and returns its header; when it is
+/// SET_BACKEND_REQ_FD keeps a duplicate of its descriptor (see backend_channel.rs). Errors
+/// end the session.
+fn peek_backend_channel(
+    socket: RawFd,
+    channel: &BackendChannel,
+) -> Result<backend_channel::PeekedHeader, String> {
+    match backend_channel::peek_header(socket) {
         Ok(None) => Err("connection closed".into()),
         Err(e) => Err(e.to_string()),
-        Ok(Some(code)) if backend_channel::is_set_backend_req_fd(code) => {
-            match backend_channel::peek_attached_fd(socket) {
-                Ok(Some(fd)) => channel.set_pending(fd),
-                Ok(None) => {}
-                Err(e) => return Err(e.to_string()),
+        Ok(Some(header)) => {
+            if backend_channel::is_set_backend_req_fd(header.code) {
+                match backend_channel::peek_attached_fd(socket) {
+                    Ok(Some(fd)) => channel.set_pending(fd),
+                    Ok(None) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
             }
-            Ok(())
+            Ok(header)
         }
-        Ok(Some(_)) => Ok(()),
     }
+}
+
+/// The device, also after a thread panicked while holding it (its state is still the last
+/// one a handler left, which the next message or the disconnect reset deals with).
+fn lock(backend: &Mutex<BlkBackend>) -> std::sync::MutexGuard<'_, BlkBackend> {
+    backend.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -247,6 +247,12 @@ impl MemoryTable {
         })
     }
 
+    /// The guest address of byte `offset` of region `index` (as a ring segment names it).
+    pub fn guest_address(&self, index: u32, offset: u64) -> Option<u64> {
+        let region = self.regions.get(usize::try_from(index).ok()?)?;
+        (offset < region.desc.size).then(|| region.desc.guest_base.checked_add(offset))?
+    }
+
     /// Splits the guest range `[addr, addr + len)` into pieces that each lie inside one region
     /// and calls `emit(region index, offset in region, length)` for each, in order.
     pub fn for_each_piece<E>(

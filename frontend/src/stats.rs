@@ -189,9 +189,8 @@ impl DeviceStatus {
     }
 
     /// Every reason dirty logging must be refused now: blkplaned's list, then the frontend's
-    /// own (`dirty_logging_offered`: whether this frontend offers LOG_SHMFD at all), each
-    /// unless blkplaned already gave the same reason.
-    pub fn migration_blockers(&self, dirty_logging_offered: bool) -> Vec<String> {
+    /// own (it is drained) unless blkplaned already gave the same reason.
+    pub fn migration_blockers(&self) -> Vec<String> {
         let mut all = self
             .migration_blockers
             .lock()
@@ -200,14 +199,6 @@ impl DeviceStatus {
         let mut own = Vec::new();
         if self.drained.load(Ordering::Relaxed) {
             own.push("draining: the disk is drained until it is resumed".to_string());
-        }
-        if !dirty_logging_offered {
-            own.push(
-                "unsupported_feature: dirty logging is not implemented: this frontend does \
-                 not offer VHOST_USER_PROTOCOL_F_LOG_SHMFD or VHOST_F_LOG_ALL, so the guest \
-                 pages it writes could not be tracked during a migration"
-                    .to_string(),
-            );
         }
         for line in own {
             let prefix = reason_prefix(&line);
@@ -268,26 +259,24 @@ mod tests {
     #[test]
     fn migration_blockers_combine_without_duplicates() {
         let status = DeviceStatus::new(1, 1);
-        assert!(status.migration_blockers(true).is_empty());
-        let own = status.migration_blockers(false);
-        assert_eq!(own.len(), 1);
-        assert!(own[0].starts_with("unsupported_feature: "), "{own:?}");
+        assert!(status.migration_blockers().is_empty());
         status.drained.store(true, Ordering::Relaxed);
-        status.set_migration_blockers(vec![
-            "operator_backup: nightly backup".into(),
-            "draining: drained by blkplaned".into(),
-        ]);
-        // blkplaned's own wording wins for a reason both know; the frontend adds the rest.
+        let own = status.migration_blockers();
+        assert_eq!(own.len(), 1);
+        assert!(own[0].starts_with("draining: "), "{own:?}");
+        status.set_migration_blockers(vec!["operator_backup: nightly backup".into()]);
         assert_eq!(
-            status.migration_blockers(false),
-            [
-                "operator_backup: nightly backup",
-                "draining: drained by blkplaned",
-                own[0].as_str(),
-            ]
+            status.migration_blockers(),
+            ["operator_backup: nightly backup", own[0].as_str()]
+        );
+        // blkplaned's own wording wins for a reason both know.
+        status.set_migration_blockers(vec!["draining: drained by blkplaned".into()]);
+        assert_eq!(
+            status.migration_blockers(),
+            ["draining: drained by blkplaned"]
         );
         status.set_migration_blockers(Vec::new());
         status.drained.store(false, Ordering::Relaxed);
-        assert!(status.migration_blockers(true).is_empty());
+        assert!(status.migration_blockers().is_empty());
     }
 }

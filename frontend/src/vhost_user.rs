@@ -4,8 +4,8 @@
 //! In vhost-user words the frontend process is the *back-end* and the VMM the *front-end*.
 //! This handler owns the device state the VMM configures (features, memory table, ring
 //! addresses and eventfds) and hands finished rings to the [`WorkerHandle`]s that serve them.
-//! Owning the handler (rather than vhost-user-backend's) is what lets later work add
-//! INFLIGHT_SHMFD, real LOG_ALL handling and config-change messages.
+//! Owning the handler (rather than vhost-user-backend's) is what lets it carry
+//! INFLIGHT_SHMFD, dirty logging (LOG_SHMFD, LOG_ALL) and config-change messages.
 
 use std::fs::File;
 use std::io;
@@ -28,6 +28,8 @@ use virtio_queue::{Queue, QueueT};
 
 use crate::backend_channel::BackendChannel;
 use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
+use crate::dirty_log::DirtyLog;
+use crate::image::Image;
 use crate::inflight::{self, InflightRegion};
 use crate::lifecycle;
 use crate::memory::{MemoryTable, RegionDescriptor};
@@ -63,6 +65,13 @@ pub struct BlkBackend {
     /// The inflight region of this session (GET_INFLIGHT_FD / SET_INFLIGHT_FD), used by the
     /// rings started after it was set.
     inflight: Option<Arc<InflightRegion>>,
+    /// The dirty log of SET_LOG_BASE; the workers mark it while LOG_ALL is acknowledged.
+    dirty_log: Option<Arc<DirtyLog>>,
+    /// The image, made durable when a migration stops a ring (see `get_vring_base`).
+    image: Arc<Image>,
+    /// The last request was refused and the VMM was told so with a REPLY_ACK status (see
+    /// [`BlkBackend::take_acked_refusal`]).
+    acked_refusal: bool,
 }
 
 fn invalid(what: &str) -> VhostError {
@@ -76,11 +85,13 @@ fn handler_error(e: impl std::fmt::Display) -> VhostError {
 }
 
 impl BlkBackend {
-    /// A device for `disk` whose queue `q` is served by `workers[q % workers.len()]`.
+    /// A device for `disk` (backed by `image`) whose queue `q` is served by
+    /// `workers[q % workers.len()]`.
     pub fn new(
         disk: Arc<DiskConfig>,
         status: Arc<DeviceStatus>,
         backend_channel: Arc<BackendChannel>,
+        image: Arc<Image>,
         workers: Vec<WorkerHandle>,
     ) -> Self {
         let vrings = (0..disk.num_queues)
@@ -96,7 +107,44 @@ impl BlkBackend {
             memory: Arc::new(MemoryTable::empty()),
             vrings,
             inflight: None,
+            dirty_log: None,
+            image,
+            acked_refusal: false,
         }
+    }
+
+    /// Whether the last handled request was refused with a REPLY_ACK error status (rather than
+    /// failing in a way the VMM cannot see): the session can go on. Clears the flag.
+    pub fn take_acked_refusal(&mut self) -> bool {
+        std::mem::take(&mut self.acked_refusal)
+    }
+
+    /// The VMM acknowledged VHOST_F_LOG_ALL: a migration is copying guest memory.
+    fn logging(&self) -> bool {
+        self.acked_features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0
+    }
+
+    /// Hands every worker the log to mark (`None`: stop marking). Synchronous: once it
+    /// returns, every write a worker completes is marked.
+    fn set_workers_log(&self, log: Option<&Arc<DirtyLog>>) -> VhostResult<()> {
+        for worker in &self.workers {
+            worker
+                .call(|reply| Command::SetDirtyLog {
+                    log: log.cloned(),
+                    reply,
+                })
+                .map_err(handler_error)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a request the VMM sent with NEED_REPLY: noted, so that the vhost-user loop
+    /// keeps the session once the crate has sent the error status (when REPLY_ACK was
+    /// negotiated; without it the VMM would not learn of the refusal and the session ends).
+    fn refuse_with_status(&mut self, error: VhostError) -> VhostError {
+        let reply_ack = VhostUserProtocolFeatures::REPLY_ACK.bits();
+        self.acked_refusal = self.acked_protocol_features & reply_ack != 0;
+        error
     }
 
     /// The queue workers (for drain and resume, which pause and resume all of them).
@@ -283,6 +331,11 @@ impl BlkBackend {
         self.vrings = (0..self.disk.num_queues)
             .map(|_| VringSetup::default())
             .collect();
+        if self.logging() {
+            if let Err(e) = self.set_workers_log(None) {
+                warn!("reset: stopping dirty logging: {e}");
+            }
+        }
         self.acked_features = 0;
         self.status.acked_features.store(0, Ordering::Relaxed);
         self.disk.reset_writeback();
@@ -307,8 +360,9 @@ impl BlkBackend {
     pub fn disconnect(&mut self) {
         self.reset_device_state();
         self.acked_protocol_features = 0;
-        // The region belongs to the session; a reconnecting VMM sends it again.
+        // The region and the log belong to the session; a reconnecting VMM sends them again.
         self.inflight = None;
+        self.dirty_log = None;
         self.backend_channel.clear();
         self.status
             .acked_protocol_features
@@ -387,15 +441,46 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn set_features(&mut self, features: u64) -> VhostResult<()> {
-        // A VMM starts dirty logging (migration) with LOG_ALL: refused while blocked, with
-        // the reasons logged, before the "not offered" check that would hide them.
-        if features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0 {
-            lifecycle::check_dirty_logging(&self.status, "VHOST_F_LOG_ALL")
-                .map_err(handler_error)?;
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        let was_logging = self.logging();
+        let logging = features & log_all != 0;
+        // A VMM starts dirty logging (a migration) with LOG_ALL, asking for a REPLY_ACK
+        // status: refused while blocked, with the reasons logged, so that the VMM fails the
+        // migration and the VM keeps running here.
+        if logging && !was_logging {
+            if let Err(blocked) = lifecycle::check_dirty_logging(&self.status, "VHOST_F_LOG_ALL") {
+                return Err(self.refuse_with_status(handler_error(blocked)));
+            }
+            if self.dirty_log.is_none() {
+                let e = invalid("VHOST_F_LOG_ALL without a dirty log (no SET_LOG_BASE)");
+                return Err(self.refuse_with_status(e));
+            }
         }
         let unknown = features & !self.disk.features();
         if unknown != 0 {
             return Err(invalid(&format!("features {unknown:#x} were not offered")));
+        }
+        if logging != was_logging {
+            let log = self.dirty_log.clone().filter(|_| logging);
+            self.set_workers_log(log.as_ref())?;
+            match &log {
+                Some(log) => info!(
+                    "dirty logging started (migration): {} GiB of guest memory covered",
+                    log.covered_bytes() >> 30
+                ),
+                None => info!("dirty logging stopped"),
+            }
+            if let Some(unmarked) = self
+                .dirty_log
+                .as_ref()
+                .map(|l| l.unmarked_pages())
+                .filter(|&n| n > 0)
+            {
+                warn!(
+                    "the VMM's dirty log is too small for guest memory: {unmarked} written \
+                     pages could not be marked"
+                );
+            }
         }
         self.acked_features = features;
         self.status
@@ -458,6 +543,16 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         let queue = queue_index(index)?;
         self.vring(index)?;
         self.stop(queue)?;
+        if self.logging() {
+            // A migration stops the source's rings before the destination starts its own:
+            // make what they wrote durable first, so that a destination on another host
+            // sharing the storage reads it (on this host the page cache is shared anyway).
+            if let Err(e) = lifecycle::sync_image(&self.image) {
+                return Err(handler_error(format!(
+                    "queue {queue} stopped for migration, but fdatasync of the image failed: {e}"
+                )));
+            }
+        }
         let vring = self.vring(index)?;
         // The ring is stopped until the next SET_VRING_KICK.
         vring.kick = None;
@@ -644,8 +739,23 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         Err(VhostError::InvalidOperation("no shared memory regions"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VhostResult<()> {
-        lifecycle::check_dirty_logging(&self.status, "SET_LOG_BASE").map_err(handler_error)?;
-        Err(VhostError::InvalidOperation("LOG_SHMFD is not offered yet"))
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VhostResult<()> {
+        // Taken even while migration is blocked: the reply has no status to refuse with, and
+        // a log marks nothing until LOG_ALL, which is where a blocked migration is refused.
+        let dirty = DirtyLog::new(&file, log.mmap_size, log.mmap_offset)
+            .map_err(|e| invalid(&format!("SET_LOG_BASE: {e}")))?;
+        info!(
+            "dirty log set: {} bytes at offset {}, covering {} MiB of guest memory",
+            log.mmap_size,
+            log.mmap_offset,
+            dirty.covered_bytes() >> 20
+        );
+        let dirty = Arc::new(dirty);
+        if self.logging() {
+            // The VMM resized the log during a migration (guest memory grew).
+            self.set_workers_log(Some(&dirty))?;
+        }
+        self.dirty_log = Some(dirty);
+        Ok(())
     }
 }

@@ -29,6 +29,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::DiskConfig;
+use crate::dirty_log::DirtyLog;
 use crate::inflight::QueueInflight;
 use crate::iothread::IothreadLink;
 use crate::memory::MemoryTable;
@@ -112,6 +113,14 @@ pub enum Command {
         /// Acknowledgement.
         reply: Sender<()>,
     },
+    /// Start (`Some`) or stop (`None`) marking the guest pages this worker writes in a
+    /// migration's dirty log. Requests in flight are marked when they complete.
+    SetDirtyLog {
+        /// The log, while the VMM has VHOST_F_LOG_ALL set.
+        log: Option<Arc<DirtyLog>>,
+        /// Acknowledgement: every write completed from now on is marked.
+        reply: Sender<()>,
+    },
 }
 
 /// The vhost-user thread's handle on a worker thread.
@@ -158,6 +167,7 @@ impl WorkerHandle {
             wake: wake.try_clone()?,
             rejections: 0,
             paused: false,
+            dirty_log: None,
         };
         worker.scratch.reserve(
             usize::from(worker.disk.queue_size) + usize::from(request::MAX_INDIRECT_DESCRIPTORS),
@@ -208,6 +218,8 @@ struct SlotState {
     used_len: u32,
     opcode: Opcode,
     bytes: u64,
+    /// Segments in the ring slot (a read's are marked in the dirty log on completion).
+    segments: u32,
     popped: Instant,
 }
 
@@ -221,6 +233,7 @@ impl Default for SlotState {
             used_len: 0,
             opcode: Opcode::Flush,
             bytes: 0,
+            segments: 0,
             popped: Instant::now(),
         }
     }
@@ -262,6 +275,9 @@ struct Worker {
     /// Drained ([`Command::Pause`]): no request is popped until [`Command::Resume`]. Only
     /// this thread reads it, once per batch.
     paused: bool,
+    /// A migration's dirty log while the VMM has logging on: every guest page this worker
+    /// writes is marked in it before the used entry is published.
+    dirty_log: Option<Arc<DirtyLog>>,
 }
 
 /// Writes a parsed request's segments straight into its ring slot.
@@ -285,6 +301,16 @@ impl SegmentSink for SlotSink<'_> {
 /// ahead of ours is the driver breaking the ring, reported as an error.
 fn next_head(queue: &mut Queue, mem: &GuestMemoryMmap) -> Result<Option<u16>, virtio_queue::Error> {
     Ok(queue.iter(mem)?.next().map(|chain| chain.head_index()))
+}
+
+/// Marks a ring's whole used ring (flags, entries, avail_event: at most a few pages) in the
+/// dirty log after the worker wrote any of it.
+fn log_used_ring(log: Option<&DirtyLog>, queue: &Queue) {
+    if let Some(log) = log {
+        // 2 (flags) + 2 (idx) + 8 per entry + 2 (avail_event).
+        let len = 6 + 8 * u64::from(queue.size());
+        log.mark(queue.used_ring(), len);
+    }
 }
 
 /// Signals an eventfd owned by the VMM; a full counter (EAGAIN) means it is signalled already.
@@ -462,6 +488,10 @@ impl Worker {
                 self.wait_until(|w| w.in_flight == 0);
                 let _ = reply.send(waited);
             }
+            Command::SetDirtyLog { log, reply } => {
+                self.dirty_log = log;
+                let _ = reply.send(());
+            }
             Command::Resume { reply } => {
                 if self.paused {
                     self.paused = false;
@@ -548,6 +578,7 @@ impl Worker {
             if let Err(e) = rq.queue.disable_notification(mem) {
                 return self.break_queue(local, &e.to_string());
             }
+            log_used_ring(self.dirty_log.as_deref(), &rq.queue);
             loop {
                 let Some(Some(rq)) = self.queues.get_mut(local) else {
                     return;
@@ -565,7 +596,9 @@ impl Worker {
             let Some(Some(rq)) = self.queues.get_mut(local) else {
                 return;
             };
-            match rq.queue.enable_notification(mem) {
+            let enabled = rq.queue.enable_notification(mem);
+            log_used_ring(self.dirty_log.as_deref(), &rq.queue);
+            match enabled {
                 Ok(true) => continue,
                 Ok(false) => return,
                 Err(e) => return self.break_queue(local, &e.to_string()),
@@ -654,6 +687,11 @@ impl Worker {
                     Ok(()) => VIRTIO_BLK_S_OK as u8,
                     Err(_) => VIRTIO_BLK_S_IOERR as u8,
                 };
+                if let Some(log) = &self.dirty_log {
+                    for d in self.scratch.iter().filter(|d| d.is_write_only()) {
+                        log.mark(d.addr().0, u64::from(d.len()));
+                    }
+                }
                 let used = request.used_len();
                 if let Some(counters) = self.counters(local) {
                     counters.answered(u32::from(status) == VIRTIO_BLK_S_OK);
@@ -709,6 +747,7 @@ impl Worker {
                 used_len: request.used_len(),
                 opcode,
                 bytes: request.bytes,
+                segments: request.segments,
                 popped: Instant::now(),
             };
         }
@@ -746,6 +785,9 @@ impl Worker {
         if let Some((addr, value)) = status {
             // The address was checked to be in guest memory by the parser.
             let _ = mem.write_obj(value, addr);
+            if let Some(log) = &self.dirty_log {
+                log.mark(addr.0, 1);
+            }
         }
         let Some(Some(rq)) = self.queues.get_mut(local) else {
             return;
@@ -753,7 +795,10 @@ impl Worker {
         if let Some(tracker) = &rq.inflight {
             tracker.before_used(head);
         }
-        match rq.queue.add_used(mem, head, used_len) {
+        let added = rq.queue.add_used(mem, head, used_len);
+        // Marked before the interrupt: the guest can only act on the entry after it.
+        log_used_ring(self.dirty_log.as_deref(), &rq.queue);
+        match added {
             Ok(()) => {
                 rq.notify = true;
                 // After the used index store (add_used's Release store): see inflight.rs.
@@ -850,6 +895,10 @@ impl Worker {
         } else {
             1
         };
+        if state.opcode == Opcode::Read {
+            // Even a failed read may have written part of its buffers.
+            self.log_read_data(completion.slot, state.segments);
+        }
         let local = usize::from(state.local_queue);
         if let Some(Some(rq)) = self.queues.get_mut(local) {
             rq.in_flight = rq.in_flight.saturating_sub(1);
@@ -860,6 +909,29 @@ impl Worker {
         }
         self.complete_now(local, state.head, Some((state.status, status)), used, mem);
         Ok(())
+    }
+
+    /// Marks the guest pages a completed read wrote (its slot's segments: region index and
+    /// offset, as the parser wrote them) in the dirty log, when logging is on.
+    fn log_read_data(&self, slot: u32, segments: u32) {
+        let Some(log) = &self.dirty_log else {
+            return;
+        };
+        for index in 0..segments {
+            let Ok(segment) = self.link.slots.segment(slot, index) else {
+                break;
+            };
+            match self.memory.guest_address(segment.aux, segment.offset) {
+                Some(addr) => {
+                    log.mark(addr, u64::from(segment.len));
+                }
+                None => warn!(
+                    "worker {}: read segment {index} of slot {slot} names no guest memory; \
+                     not marked in the dirty log",
+                    self.index
+                ),
+            }
+        }
     }
 
     fn notify_guests(&mut self) {

@@ -12,11 +12,17 @@
 #                                        crash-iothread: kill -9 of one of its iothreads;
 #                                        drain: drain it with flush, check that nothing
 #                                        completes or changes in the image, resume)
+#                                        migrate-blocked: an attempt to live-migrate the VM
+#                                        while the disk has a migration blocker, which must
+#                                        fail; migrate: a live migration to a second QEMU,
+#                                        after which the host writes the "migrated" marker)
 #   BLKPLANE-REBOOT                      boot 1 passed and reboots (reboot -f, same QEMU)
 #   BLKPLANE-DONE failed=<n> boot=<n>    nothing more follows; the guest powers off
 #
 # Every line also goes to the console (ttyS0), between the commands' own output, so the console
 # log reads as a transcript. Expectations come from the kernel command line (bp.*=...).
+# bp.mode=migrate (tests/tests/migration.rs) runs the live-migration phases on the read-write
+# disk alone instead of the checks below (see migration_run).
 #
 # Layout of the read-write disk (MiB):
 #   [0, 96)     ext4 (mkfs.ext4 with a 96M file-system size on the whole disk)
@@ -30,6 +36,12 @@
 #               the crash phases (fio crash: 4k random write + verify, two jobs of 8 MiB)
 #   200         the boot marker (one sector): "BLKPLANE-MARK stage1 <nonce> <manifest sha256>"
 #               written at the end of boot 1, "... stage2 <nonce>" at the end of boot 2
+#   201         the migrated marker (one sector): "BLKPLANE-MIGRATED <nonce>", written by the
+#               host once the VM runs on the destination (bp.mode=migrate)
+#   202         the freeze marker: "BLKPLANE-FREEZE <nonce>", written by the host once the
+#               migration's first pass has sent every page (bp.mode=migrate)
+#   [0, 96)     bp.mode=migrate: ext4 with cache.bin, random data read into the page cache
+#               during the migration (see cache_filler)
 
 /bin/busybox mkdir -p /proc /sys /dev /tmp /mnt /run /bin /sbin /usr/bin /usr/sbin
 /bin/busybox --install -s
@@ -51,6 +63,9 @@ PUNCH_MIB=164
 ZEROOUT_MIB=168
 FLUSH_MIB=172
 MARK_SECTOR=$((200 * 2048))
+MIGRATED_SECTOR=$((201 * 2048))
+FREEZE_SECTOR=$((202 * 2048))
+CACHE_MIB=48
 REGION_MIB=4
 
 FAILED=0
@@ -99,6 +114,7 @@ EXP_QUEUES=$(param bp.queues)
 EXP_LBS=$(param bp.lbs)
 EXP_RO_SIZE=$(param bp.ro_size)
 EXP_RO_SERIAL=$(param bp.ro_serial)
+MODE=$(param bp.mode) || MODE=checks
 EXP_RO_SHA=$(param bp.ro_sha256)
 
 emit "BLKPLANE-INFO versions $(cat /etc/blkplane/versions)"
@@ -179,11 +195,12 @@ while [ $i -lt 60 ]; do
         if [ "$s" = "$EXP_SERIAL" ]; then RW=${d##*/}; fi
         if [ "$s" = "$EXP_RO_SERIAL" ]; then RO=${d##*/}; fi
     done
-    [ -n "$RW" ] && [ -n "$RO" ] && [ -b "/dev/$RW" ] && [ -b "/dev/$RO" ] && break
+    # Without bp.ro_serial there is no read-only disk to wait for.
+    [ -n "$RW" ] && [ -b "/dev/$RW" ] && { [ -z "$EXP_RO_SERIAL" ] || [ -b "/dev/$RO" ]; } && break
     sleep 1
     i=$((i + 1))
 done
-if [ -z "$RW" ] || [ -z "$RO" ]; then
+if [ -z "$RW" ] || { [ -n "$EXP_RO_SERIAL" ] && [ -z "$RO" ]; }; then
     found=""
     for d in /sys/block/*; do found="$found ${d##*/}:serial=$(cat "$d/serial" 2>/dev/null)"; done
     fail disks "want serials $EXP_SERIAL and $EXP_RO_SERIAL, have:$found"
@@ -201,7 +218,7 @@ else
     P=""
 fi
 emit "BLKPLANE-BOOT $BOOT"
-ok "${P}disks" "read-write $RW, read-only $RO (by serial)"
+ok "${P}disks" "read-write $RW, read-only ${RO:-none} (by serial)"
 
 # ---- what the guest sees: capacity, serial, queues, read-only flag ---------------------------
 
@@ -225,7 +242,7 @@ identity() {
     verdict $? "${P}${tag}ro-flag" "$dev sysfs ro=$ro blockdev --getro=$getro want $want_ro"
 }
 identity "$RW" "$EXP_SIZE" "$EXP_SERIAL" "$EXP_QUEUES" 0 ""
-identity "$RO" "$EXP_RO_SIZE" "$EXP_RO_SERIAL" 1 1 "ro-disk-"
+[ -n "$RO" ] && identity "$RO" "$EXP_RO_SIZE" "$EXP_RO_SERIAL" 1 1 "ro-disk-"
 
 # ---- the read-only disk: its data, and writes refused -----------------------------------------
 
@@ -249,7 +266,7 @@ ro_disk() {
     [ "$h2" = "$EXP_RO_SHA" ]
     verdict $? ro-disk-unchanged "sha256 after the refused writes $h2"
 }
-ro_disk
+[ -n "$RO" ] && ro_disk
 
 # ---- boot 1: fio write + verify on both queues, re-read verify ---------------------------------
 
@@ -287,6 +304,17 @@ io_errors() { dmesg | grep -cE "I/O error|critical (medium|target|nexus|space) e
 # asked (BLKPLANE-HOST ACTION) to kill a blkplane process during them. The requests that were
 # in flight must be resubmitted: fio must finish without an error and verify every block, and
 # the kernel must log no I/O error.
+# wait_writes_flow PID W0: waits (at most a minute) until fio PID is past its start-up and
+# writing: 200 writes completed (stat field 5) since the count was W0.
+wait_writes_flow() {
+    i=0
+    while [ $i -lt 600 ] && kill -0 "$1" 2>/dev/null; do
+        [ $(($(stat_field "$RW" 5) - $2)) -ge 200 ] && break
+        sleep 0.1
+        i=$((i + 1))
+    done
+}
+
 crash_phase() {
     action=$1
     e0=$(io_errors)
@@ -296,13 +324,7 @@ crash_phase() {
     BP_DEV=/dev/$RW "$FIO" --section=crash --output=/tmp/fio-"$action".log \
         /etc/blkplane/verify.fio &
     fio_pid=$!
-    # Writes completed (stat field 5) tell that fio is past its start-up and writing.
-    i=0
-    while [ $i -lt 600 ] && kill -0 $fio_pid 2>/dev/null; do
-        [ $(($(stat_field "$RW" 5) - w0)) -ge 200 ] && break
-        sleep 0.1
-        i=$((i + 1))
-    done
+    wait_writes_flow $fio_pid "$w0"
     emit "BLKPLANE-HOST $action"
     wait $fio_pid
     rc=$?
@@ -311,8 +333,10 @@ crash_phase() {
     bw=$(grep -E '^ *(READ|WRITE): ' /tmp/fio-"$action".log \
         | sed -E 's/^ *(READ|WRITE): bw=([^ ]+) .* io=([^ ]+) .*/\1 \3 at \2/' | tr '\n' ';' \
         | sed 's/;$//; s/;/, /g')
-    [ "$rc" = 0 ] && [ "$e1" = "$e0" ]
-    verdict $? "$action" "fio write+verify across the kill: exit $rc in $(($(date +%s) - t0))s, $bw; kernel I/O errors $e0 -> $e1 $(dmesg | grep -E 'I/O error' | tail -n1)"
+    # fio exits 0 when it refuses to start: it must have written and read.
+    [ "$rc" = 0 ] && [ "$e1" = "$e0" ] && grep -q '^ *WRITE: ' /tmp/fio-"$action".log \
+        && grep -q '^ *READ: ' /tmp/fio-"$action".log
+    verdict $? "$action" "fio write+verify across the host action: exit $rc in $(($(date +%s) - t0))s, $bw; kernel I/O errors $e0 -> $e1 $(dmesg | grep -E 'I/O error' | tail -n1)"
 }
 
 # ---- ext4 -------------------------------------------------------------------------------------
@@ -448,7 +472,111 @@ write_marker() {
     [ "$got" = "$1" ]
 }
 
+# ---- live migration (bp.mode=migrate) ----------------------------------------------------------
+
+# The text of the marker sector $1, read past the page cache (O_DIRECT: dropping the cache
+# would also drop what cache_filler read).
+marker_at() {
+    dd if="/dev/$RW" bs=4096 skip=$(($1 / 8)) count=1 iflag=direct 2>/dev/null | tr -d '\000' | head -n1
+}
+# Whether the host has written the migrated marker (it does once the VM runs on the
+# destination).
+migrated() { [ "$(marker_at $MIGRATED_SECTOR)" = "BLKPLANE-MIGRATED $NONCE" ]; }
+
+# Once the host writes the freeze marker — the migration's first pass has copied every page,
+# free pages holding zeros (migration_run scrubbed them) — reads /mnt/cache.bin into the page
+# cache: the device writes it straight into pages the migration already copied as zeros.
+# They stay cached: on the destination they must hold the data, which only the source
+# frontend's dirty log can have made the migration copy again. (A file's cache, not the
+# disk's: fio flushes the whole block device's cache, BLKFLSBUF, when it starts.)
+cache_filler() {
+    n=0
+    while [ $n -lt 1000 ]; do
+        n=$((n + 1))
+        if [ "$(marker_at $FREEZE_SECTOR)" = "BLKPLANE-FREEZE $NONCE" ]; then
+            cat /mnt/cache.bin >/dev/null
+            emit "BLKPLANE-INFO cache-filled"
+            return 0
+        fi
+        sleep 0.2
+    done
+    return 1
+}
+
+# fio write+verify rounds (the crash section: every block written, then read back and checked)
+# without a pause, from before the host starts the migration until one whole round after the
+# guest sees the migrated marker, so the switch-over lands inside a round and the last round
+# runs on the destination alone. Every round must pass, with no kernel I/O error.
+migrate_phase() {
+    e0=$(io_errors)
+    w0=$(stat_field "$RW" 5)
+    t0=$(date +%s)
+    rounds=0 rc=0 seen=0 asked=0
+    cache_filler &
+    filler=$!
+    while [ $rounds -lt 60 ]; do
+        rounds=$((rounds + 1))
+        # cache.bin's ext4 is mounted on the disk's first 96 MiB; fio writes past it.
+        BP_DEV=/dev/$RW "$FIO" --section=crash --allow_mounted_write=1 \
+            --output=/tmp/fio-migrate.log /etc/blkplane/verify.fio &
+        fio_pid=$!
+        if [ $asked = 0 ]; then
+            wait_writes_flow $fio_pid "$w0"
+            emit "BLKPLANE-HOST migrate"
+            asked=1
+        fi
+        wait $fio_pid
+        rc=$?
+        # fio exits 0 when it refuses to start: a round counts only if it wrote and read.
+        if [ "$rc" = 0 ] && ! { grep -q '^ *WRITE: ' /tmp/fio-migrate.log \
+            && grep -q '^ *READ: ' /tmp/fio-migrate.log; }; then
+            rc=no-io
+        fi
+        if [ "$rc" != 0 ]; then
+            cat /tmp/fio-migrate.log
+            break
+        fi
+        [ $seen = 1 ] && break
+        migrated && seen=1 && emit "BLKPLANE-INFO migrated marker seen after round $rounds"
+    done
+    e1=$(io_errors)
+    wait $filler
+    filled=$?
+    # Served from the page cache: the device reads (almost) nothing for it.
+    r0=$(stat_field "$RW" 3)
+    h=$(sha256sum </mnt/cache.bin | cut -d' ' -f1)
+    dev_kib=$((($(stat_field "$RW" 3) - r0) / 2))
+    [ "$filled" = 0 ] && [ "$h" = "$CACHE_SHA" ] && [ "$dev_kib" -lt 1024 ]
+    verdict $? migrate-read-pages "$CACHE_MIB MiB the device read into the page cache after the migration's first pass, hashed from the cache on the destination (device read ${dev_kib} KiB for it): sha256 $h want $CACHE_SHA (filler exit $filled)"
+    [ "$rc" = 0 ] && [ $seen = 1 ] && [ "$e1" = "$e0" ]
+    verdict $? migrate "fio write+verify rounds across the live migration: $rounds rounds in $(($(date +%s) - t0))s, last exit $rc, marker seen $seen; kernel I/O errors $e0 -> $e1 $(dmesg | grep -E 'I/O error' | tail -n1)"
+}
+
+migration_run() {
+    crash_phase migrate-blocked
+    if ! "$MKE2FS" -F -q -t ext4 "/dev/$RW" ${EXT4_MIB}M </dev/null >/tmp/mkfs.log 2>&1 \
+        || ! mount -t ext4 "/dev/$RW" /mnt; then
+        fail migrate-read-pages "mkfs/mount: $(cat /tmp/mkfs.log)"
+    fi
+    head -c $((CACHE_MIB * MIB)) /dev/urandom >/mnt/cache.bin
+    sync
+    CACHE_SHA=$(sha256sum </mnt/cache.bin | cut -d' ' -f1)
+    # No page may still hold the file's data when the migration copies it: drop the cache,
+    # then zero most free memory (tmpfs pages, freed again).
+    echo 3 >/proc/sys/vm/drop_caches
+    dd if=/dev/zero of=/tmp/scrub bs=1M count=200 2>/dev/null
+    rm -f /tmp/scrub
+    migrate_phase
+    if run_fio migrate-reverify crash --verify_only --allow_mounted_write=1 \
+        && grep -q '^ *READ: ' /tmp/fio-migrate-reverify.log; then
+        ok migrate-reverify "verify_only re-read on the destination: $FIO_DETAIL"
+    else fail migrate-reverify "fio exit $rc: $FIO_DETAIL $(grep -iE 'verify|error|bad' /tmp/fio-migrate-reverify.log | head -n3)"; fi
+    finish
+}
+
 # ---- the run ----------------------------------------------------------------------------------
+
+[ "$MODE" = migrate ] && migration_run
 
 if [ "$BOOT" = 1 ]; then
     fio_checks

@@ -19,7 +19,11 @@
 
 pub mod admin;
 pub mod client;
+pub mod daemon;
 pub mod frontend;
+pub mod guest;
+pub mod json;
+pub mod qmp;
 pub mod raw;
 pub mod wire;
 

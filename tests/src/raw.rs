@@ -473,6 +473,23 @@ impl RawDevice {
         queue_size: u16,
         backend_channel: bool,
     ) -> Result<RawDevice, vhost::Error> {
+        let extra = if backend_channel {
+            VhostUserProtocolFeatures::BACKEND_REQ
+        } else {
+            VhostUserProtocolFeatures::empty()
+        };
+        Self::connect_negotiating(socket, num_queues, queue_size, extra)
+    }
+
+    /// Like [`RawDevice::connect`], also negotiating the protocol features in `extra` when
+    /// the device offers them (BACKEND_REQ: a back-end channel is handed over as QEMU does;
+    /// LOG_SHMFD: the test drives dirty logging itself).
+    pub fn connect_negotiating(
+        socket: &Path,
+        num_queues: usize,
+        queue_size: u16,
+        extra: VhostUserProtocolFeatures,
+    ) -> Result<RawDevice, vhost::Error> {
         let mut fe = VhostFrontend::connect(socket, num_queues as u64)?;
         fe.set_owner()?;
         let offered = fe.get_features()?;
@@ -487,11 +504,7 @@ impl RawDevice {
                     | VhostUserProtocolFeatures::MQ
                     | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
                     | VhostUserProtocolFeatures::RESET_DEVICE
-                    | if backend_channel {
-                        VhostUserProtocolFeatures::BACKEND_REQ
-                    } else {
-                        VhostUserProtocolFeatures::empty()
-                    });
+                    | extra);
             fe.set_protocol_features(pf)?;
             pf
         } else {
@@ -682,6 +695,11 @@ impl RawDevice {
         Some(used)
     }
 
+    /// The guest address of queue `q`'s used ring.
+    pub fn used_ring_addr(&self, q: usize) -> u64 {
+        self.queues[q].used
+    }
+
     /// Posts `segs` as one chain (directly in the table, or via an indirect table) and waits
     /// up to `timeout` for its used entry.
     pub fn try_run_chain(
@@ -691,6 +709,15 @@ impl RawDevice {
         indirect: bool,
         timeout: Duration,
     ) -> Option<Used> {
+        let head = self.post_chain(q, segs, indirect);
+        let used = self.wait_used(q, timeout)?;
+        assert_eq!(used.id, head as u32, "used entry for the wrong head");
+        Some(used)
+    }
+
+    /// Posts `segs` as one chain at head 0 (directly in the table, or via an indirect table)
+    /// without waiting; returns the head. Only one chain may be outstanding at a time.
+    pub fn post_chain(&mut self, q: usize, segs: &[Seg], indirect: bool) -> u16 {
         let chain: Vec<Desc> = segs
             .iter()
             .enumerate()
@@ -713,10 +740,11 @@ impl RawDevice {
                 flags: F_INDIRECT,
                 next: 0,
             };
-            self.try_run_descs(q, &[head], 0, timeout)
+            self.post(q, &[head], 0);
         } else {
-            self.try_run_descs(q, &chain, 0, timeout)
+            self.post(q, &chain, 0);
         }
+        0
     }
 
     /// Lays out `req` in scratch memory, runs it, and reports used len, status and read data;

@@ -229,10 +229,10 @@ impl RawConn {
         let features = self.query_u64(FrontendReq::GET_FEATURES);
         let protocol = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         assert!(features & protocol != 0, "PROTOCOL_FEATURES not offered");
-        self.send_no_reply(
-            FrontendReq::SET_FEATURES,
-            &features.to_ne_bytes(), // everything offered
-        );
+        // Everything offered but LOG_ALL, which starts dirty logging (a migration) and is
+        // refused without a log.
+        let features = features & !VhostUserVirtioFeatures::LOG_ALL.bits();
+        self.send_no_reply(FrontendReq::SET_FEATURES, &features.to_ne_bytes());
         let pf = self.query_u64(FrontendReq::GET_PROTOCOL_FEATURES);
         let pf = VhostUserProtocolFeatures::from_bits_truncate(pf)
             & (VhostUserProtocolFeatures::REPLY_ACK

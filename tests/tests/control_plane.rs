@@ -16,636 +16,31 @@
 //!   while drained, every waiting request completes after resume, data verified; the drained
 //!   state survives an iothread and a frontend SIGKILL);
 //! - migration blockers: operator ones added, listed, persisted, removed; automatic ones
-//!   (draining, restarts, dirty logging not supported); the frontend refuses LOG_ALL.
+//!   (draining, restarts, a VMM that did not negotiate dirty logging); the frontend refuses
+//!   LOG_ALL with a REPLY_ACK error and the session goes on;
+//! - live migration on one node: an incoming disk on the source's image does not retire the
+//!   source while the source's rings run (an event says both serve), and takes over once they
+//!   stopped: the source retired, its data read through the destination.
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use blkplane_tests::client::{check_fresh_connection, errno_name};
+use blkplane_tests::daemon::*;
+use blkplane_tests::raw::RawDevice;
 use blkplane_tests::*;
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 
 const MIB: u64 = 1 << 20;
 /// Bytes per request of the background I/O.
 const CHUNK: usize = 64 * 1024;
 /// Chunks per round of the background I/O (it covers CHUNK × CHUNKS bytes of the disk).
 const CHUNKS: u64 = 64;
-/// Bound of every wait on the control plane.
-const TIMEOUT: Duration = Duration::from_secs(20);
-
-// ---------------------------------------------------------------------------------------------
-// A minimal JSON reader for blkplanectl's output (this crate has no JSON dependency).
-
-/// A parsed JSON value. Numbers keep their text so that u64 values stay exact.
-#[derive(Debug, Clone, PartialEq)]
-enum Json {
-    Null,
-    Bool(bool),
-    Num(String),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(BTreeMap<String, Json>),
-}
-
-impl Json {
-    fn parse(text: &str) -> Json {
-        let mut p = JsonParser {
-            s: text.as_bytes(),
-            i: 0,
-        };
-        let v = p.value();
-        p.ws();
-        assert_eq!(p.i, p.s.len(), "trailing characters in JSON: {text}");
-        v
-    }
-
-    /// The member `key` of an object (panics if absent: a missing field is a test failure).
-    #[track_caller]
-    fn get(&self, key: &str) -> &Json {
-        match self {
-            Json::Obj(m) => m
-                .get(key)
-                .unwrap_or_else(|| panic!("no {key:?} in {self:?}")),
-            _ => panic!("{self:?} is not an object (looking for {key:?})"),
-        }
-    }
-
-    #[track_caller]
-    fn u64(&self) -> u64 {
-        match self {
-            Json::Num(n) => n.parse().unwrap_or_else(|_| panic!("{n} is not a u64")),
-            _ => panic!("{self:?} is not a number"),
-        }
-    }
-
-    #[track_caller]
-    fn str(&self) -> &str {
-        match self {
-            Json::Str(s) => s,
-            _ => panic!("{self:?} is not a string"),
-        }
-    }
-
-    #[track_caller]
-    fn bool(&self) -> bool {
-        match self {
-            Json::Bool(b) => *b,
-            _ => panic!("{self:?} is not a bool"),
-        }
-    }
-
-    #[track_caller]
-    fn arr(&self) -> &[Json] {
-        match self {
-            Json::Arr(v) => v,
-            _ => panic!("{self:?} is not an array"),
-        }
-    }
-}
-
-struct JsonParser<'a> {
-    s: &'a [u8],
-    i: usize,
-}
-
-impl JsonParser<'_> {
-    fn ws(&mut self) {
-        while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
-            self.i += 1;
-        }
-    }
-
-    fn eat(&mut self, c: u8) {
-        self.ws();
-        assert_eq!(
-            self.s.get(self.i),
-            Some(&c),
-            "JSON: expected {:?}",
-            c as char
-        );
-        self.i += 1;
-    }
-
-    fn value(&mut self) -> Json {
-        self.ws();
-        match self.s.get(self.i) {
-            Some(b'{') => {
-                self.i += 1;
-                let mut m = BTreeMap::new();
-                self.ws();
-                if self.s.get(self.i) == Some(&b'}') {
-                    self.i += 1;
-                    return Json::Obj(m);
-                }
-                loop {
-                    self.ws();
-                    let Json::Str(k) = self.value() else {
-                        panic!("JSON: object key is not a string")
-                    };
-                    self.eat(b':');
-                    let v = self.value();
-                    m.insert(k, v);
-                    self.ws();
-                    match self.s.get(self.i) {
-                        Some(b',') => self.i += 1,
-                        Some(b'}') => {
-                            self.i += 1;
-                            return Json::Obj(m);
-                        }
-                        other => panic!("JSON: unexpected {other:?} in object"),
-                    }
-                }
-            }
-            Some(b'[') => {
-                self.i += 1;
-                let mut v = Vec::new();
-                self.ws();
-                if self.s.get(self.i) == Some(&b']') {
-                    self.i += 1;
-                    return Json::Arr(v);
-                }
-                loop {
-                    v.push(self.value());
-                    self.ws();
-                    match self.s.get(self.i) {
-                        Some(b',') => self.i += 1,
-                        Some(b']') => {
-                            self.i += 1;
-                            return Json::Arr(v);
-                        }
-                        other => panic!("JSON: unexpected {other:?} in array"),
-                    }
-                }
-            }
-            Some(b'"') => {
-                self.i += 1;
-                let mut out = String::new();
-                loop {
-                    let c = self.s[self.i];
-                    self.i += 1;
-                    match c {
-                        b'"' => return Json::Str(out),
-                        b'\\' => {
-                            let e = self.s[self.i];
-                            self.i += 1;
-                            match e {
-                                b'n' => out.push('\n'),
-                                b't' => out.push('\t'),
-                                b'r' => out.push('\r'),
-                                b'b' => out.push('\u{8}'),
-                                b'f' => out.push('\u{c}'),
-                                b'u' => {
-                                    let hex =
-                                        std::str::from_utf8(&self.s[self.i..self.i + 4]).unwrap();
-                                    self.i += 4;
-                                    let cp = u32::from_str_radix(hex, 16).unwrap();
-                                    out.push(char::from_u32(cp).unwrap_or('\u{fffd}'));
-                                }
-                                other => out.push(other as char),
-                            }
-                        }
-                        _ => {
-                            // Copy a whole UTF-8 sequence.
-                            let start = self.i - 1;
-                            let mut end = self.i;
-                            while end < self.s.len() && (self.s[end] & 0xC0) == 0x80 {
-                                end += 1;
-                            }
-                            out.push_str(std::str::from_utf8(&self.s[start..end]).unwrap());
-                            self.i = end;
-                        }
-                    }
-                }
-            }
-            Some(b't') => {
-                self.i += 4;
-                Json::Bool(true)
-            }
-            Some(b'f') => {
-                self.i += 5;
-                Json::Bool(false)
-            }
-            Some(b'n') => {
-                self.i += 4;
-                Json::Null
-            }
-            Some(_) => {
-                let start = self.i;
-                while self.i < self.s.len()
-                    && matches!(
-                        self.s[self.i],
-                        b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'
-                    )
-                {
-                    self.i += 1;
-                }
-                assert!(self.i > start, "JSON: unexpected character at {start}");
-                Json::Num(String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
-            }
-            None => panic!("JSON: unexpected end"),
-        }
-    }
-}
-
-#[test]
-fn json_reader() {
-    let v = Json::parse(
-        r#"{"a": [1, 18446744073709551615, -2.5e3], "b": {"c": "x\"\u00e9y"}, "d": true, "e": null}"#,
-    );
-    assert_eq!(v.get("a").arr()[1].u64(), u64::MAX);
-    assert_eq!(v.get("b").get("c").str(), "x\"éy");
-    assert!(v.get("d").bool());
-    assert_eq!(*v.get("e"), Json::Null);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Processes.
-
-/// The state letter of `pid` (None when it is gone).
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let close = stat.rfind(')')?;
-    stat[close + 1..].split_whitespace().next()?.chars().next()
-}
-
-/// Whether `pid` is a live process (not a zombie).
-fn alive(pid: u32) -> bool {
-    proc_state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X' | 'x'))
-}
-
-fn cmdline(pid: u32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|raw| {
-            raw.split(|&b| b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Live processes with an argument starting with `prefix`.
-fn processes_with_arg_prefix(prefix: &str) -> Vec<u32> {
-    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .filter(|&pid| alive(pid) && cmdline(pid).iter().any(|a| a.starts_with(prefix)))
-                .collect()
-        })
-        .unwrap_or_default();
-    pids.sort_unstable();
-    pids
-}
-
-fn kill(pid: u32, signal: i32) {
-    // SAFETY: plain syscall; callers only name processes this test started (directly or
-    // through blkplaned), checked by command line just before.
-    unsafe { libc::kill(pid as libc::pid_t, signal) };
-}
-
-/// What one blkplanectl run produced.
-#[derive(Debug)]
-struct Out {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// A `blkplaned` on a private state and runtime directory, killed (with every frontend it
-/// started) on drop. Its log is printed when the test fails.
-struct Daemon {
-    child: Option<Child>,
-    state_dir: PathBuf,
-    run_dir: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
-    args: Vec<String>,
-    // Last: the directory goes after everything in it was stopped.
-    _dir: TempDir,
-}
-
-impl Daemon {
-    fn start(tag: &str, extra: &[&str]) -> Daemon {
-        let dir = TempDir::new(tag);
-        let state_dir = dir.join("state");
-        let run_dir = dir.join("run");
-        let socket = run_dir.join("control.sock");
-        let mut args: Vec<String> = vec![
-            "--state-dir".into(),
-            state_dir.to_str().unwrap().into(),
-            "--runtime-dir".into(),
-            run_dir.to_str().unwrap().into(),
-            // Fast polls so that connects and disconnects show up quickly.
-            "--poll-interval-ms".into(),
-            "100".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut d = Daemon {
-            child: None,
-            log: dir.join("blkplaned.log"),
-            state_dir,
-            run_dir,
-            socket,
-            args,
-            _dir: dir,
-        };
-        d.spawn();
-        d
-    }
-
-    /// Starts blkplaned (again) with the same arguments and waits until its API answers.
-    fn spawn(&mut self) {
-        assert!(self.child.is_none(), "blkplaned is already running");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let mut cmd = Command::new(&binaries().blkplaned);
-        cmd.args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
-        self.child = Some(cmd.spawn().expect("spawning blkplaned"));
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("blkplaned exited at start: {status}\n{}", self.log_text());
-            }
-            if self.socket.exists() && self.ctl(&["disk", "list"]).code == Some(0) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "blkplaned did not answer within {TIMEOUT:?}\n{}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("blkplaned is not running").id()
-    }
-
-    /// SIGKILL, like a crash: nothing is cleaned up.
-    fn kill9(&mut self) {
-        let mut child = self.child.take().expect("blkplaned is not running");
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
-
-    /// SIGTERM and wait for a clean exit.
-    fn stop(&mut self) {
-        let mut child = self.child.take().expect("blkplaned is not running");
-        kill(child.id(), libc::SIGTERM);
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "blkplaned exited with {status} on SIGTERM"
-                );
-                return;
-            }
-            assert!(Instant::now() < deadline, "blkplaned ignored SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read(&self.log)
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default()
-    }
-
-    fn disks_dir(&self) -> PathBuf {
-        self.run_dir.join("disks")
-    }
-
-    /// Runs blkplanectl against this daemon.
-    fn ctl(&self, args: &[&str]) -> Out {
-        let out = Command::new(&binaries().blkplanectl)
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("running blkplanectl");
-        Out {
-            code: out.status.code(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
-    }
-
-    /// Runs blkplanectl and expects success; returns stdout.
-    #[track_caller]
-    fn ctl_ok(&self, args: &[&str]) -> String {
-        let out = self.ctl(args);
-        assert_eq!(
-            out.code,
-            Some(0),
-            "blkplanectl {args:?} failed: {}{}",
-            out.stderr,
-            out.stdout
-        );
-        out.stdout
-    }
-
-    /// Runs blkplanectl with `-o json` and parses the answer.
-    #[track_caller]
-    fn ctl_json(&self, args: &[&str]) -> Json {
-        let mut all = vec!["-o", "json"];
-        all.extend_from_slice(args);
-        Json::parse(&self.ctl_ok(&all))
-    }
-
-    /// Runs blkplanectl expecting a refusal with `code` and a message naming `field`.
-    #[track_caller]
-    fn ctl_refused(&self, args: &[&str], code: &str, field: &str) -> String {
-        let out = self.ctl(args);
-        assert_eq!(
-            out.code,
-            Some(1),
-            "blkplanectl {args:?} should fail with {code}; stdout: {} stderr: {}",
-            out.stdout,
-            out.stderr
-        );
-        assert!(
-            out.stderr.contains(&format!("{code}: ")),
-            "blkplanectl {args:?}: expected {code}, got: {}",
-            out.stderr
-        );
-        assert!(
-            out.stderr.contains(field),
-            "blkplanectl {args:?}: the message does not name {field:?}: {}",
-            out.stderr
-        );
-        out.stderr
-    }
-
-    #[track_caller]
-    fn disk(&self, id: &str) -> Json {
-        self.ctl_json(&["disk", "show", id])
-    }
-
-    /// Waits until `pred` holds for the disk's JSON; returns it.
-    #[track_caller]
-    fn wait_disk(&self, id: &str, what: &str, pred: impl Fn(&Json) -> bool) -> Json {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            let d = self.disk(id);
-            if pred(&d) {
-                return d;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "disk {id}: not {what} within {TIMEOUT:?}: {d:?}\n{}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Frontends serving this daemon's disks (by their admin socket's directory).
-    fn frontends(&self) -> Vec<u32> {
-        processes_with_arg_prefix(&format!("--admin-socket={}/", self.disks_dir().display()))
-    }
-
-    /// The disk ids in the persisted state, read from the file itself.
-    fn state_ids(&self) -> Vec<String> {
-        let text = std::fs::read_to_string(self.state_dir.join("state.json")).unwrap_or_default();
-        if text.is_empty() {
-            return Vec::new();
-        }
-        Json::parse(&text)
-            .get("disks")
-            .arr()
-            .iter()
-            .map(|d| d.get("id").str().to_string())
-            .collect()
-    }
-
-    /// The names of the files in the runtime disks directory.
-    fn runtime_files(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(self.disks_dir())
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        // The disks outlive blkplaned by design: stop them here. Their iothreads die with them.
-        for pid in self.frontends() {
-            kill(pid, libc::SIGKILL);
-        }
-        if std::thread::panicking() {
-            eprintln!(
-                "---- blkplaned log ----\n{}\n---- end of blkplaned log ----",
-                self.log_text()
-            );
-            if let Ok(dir) = std::fs::read_dir(self.disks_dir()) {
-                for e in dir.filter_map(|e| e.ok()) {
-                    let p = e.path();
-                    if p.extension().is_some_and(|x| x == "log") {
-                        eprintln!(
-                            "---- {} ----\n{}",
-                            p.display(),
-                            String::from_utf8_lossy(&std::fs::read(&p).unwrap_or_default())
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// `blkplanectl events -o json` running in the background, collecting events.
-struct Watcher {
-    child: Child,
-    events: Arc<Mutex<Vec<Json>>>,
-    reader: Option<JoinHandle<()>>,
-}
-
-impl Watcher {
-    fn start(d: &Daemon) -> Watcher {
-        let mut child = Command::new(&binaries().blkplanectl)
-            .arg("--socket")
-            .arg(&d.socket)
-            .args(["-o", "json", "events"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("running blkplanectl events");
-        let stdout = child.stdout.take().unwrap();
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&events);
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(Json::parse(&line));
-            }
-        });
-        // The stream starts when the call is made: give it a moment to be established.
-        std::thread::sleep(Duration::from_millis(300));
-        Watcher {
-            child,
-            events,
-            reader: Some(reader),
-        }
-    }
-
-    /// Waits until an event of `kind` for `disk` arrived; returns it.
-    #[track_caller]
-    fn wait(&self, kind: &str, disk: &str) -> Json {
-        wait_for(TIMEOUT, || {
-            self.events
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|e| e.get("kind").str() == kind && e.get("disk_id").str() == disk)
-                .cloned()
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "no {kind} event for {disk} within {TIMEOUT:?}; got {:?}",
-                self.events.lock().unwrap()
-            )
-        })
-    }
-}
-
-impl Drop for Watcher {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Background I/O.
@@ -1411,15 +806,6 @@ fn verify_qd_region(q: &mut IoQueue, writer: u64, last: &[u64]) {
     }
 }
 
-/// The reasons of a disk's migration blockers, from its JSON.
-fn blocker_reasons(disk: &Json) -> Vec<String> {
-    disk.get("migration_blockers")
-        .arr()
-        .iter()
-        .map(|b| b.get("reason").str().to_string())
-        .collect()
-}
-
 /// Sums a counter over a disk's queues, from `stats -o json`.
 fn total_stat(d: &Daemon, id: &str, field: &str) -> u64 {
     d.ctl_json(&["stats", id]).arr()[0]
@@ -1649,9 +1035,11 @@ fn drain_and_resume_under_io() {
 
 /// Migration blockers through blkplanectl: an idle disk is migratable; operator blockers are
 /// added, replaced, listed, persisted across a blkplaned restart and removed; every bad input
-/// is refused naming its field; a connected VMM brings the honest "dirty logging not
-/// supported" blocker; the frontend is sent the list and refuses VHOST_F_LOG_ALL with the
-/// reasons in its log.
+/// is refused naming its field; a connected VMM that did not negotiate dirty logging
+/// (VHOST_USER_PROTOCOL_F_LOG_SHMFD, which the frontend offers) brings the
+/// unsupported_feature blocker saying so; the frontend is sent the list and refuses
+/// VHOST_F_LOG_ALL with a REPLY_ACK error and the reasons in its log, and the session goes
+/// on (the rings still serve).
 #[test]
 fn migration_blockers() {
     let mut d = Daemon::start("cpblock", &[]);
@@ -1750,33 +1138,75 @@ fn migration_blockers() {
     });
     assert!(told.is_some(), "the frontend was not sent the blockers");
     {
-        use blkplane_tests::wire::RawConn;
-        use vhost::vhost_user::message::FrontendReq;
         use vhost::vhost_user::VhostUserVirtioFeatures;
-        let mut c = RawConn::connect(&socket);
-        c.handshake();
-        let features = c.query_u64(FrontendReq::GET_FEATURES);
-        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
-        c.expect_rejected(
-            "SET_FEATURES with LOG_ALL",
-            FrontendReq::SET_FEATURES as u32,
-            &(features | log_all).to_ne_bytes(),
-            &[],
+        use vhost::VhostBackend;
+        // A VMM that negotiates REPLY_ACK (asking for a status on every message) but not
+        // LOG_SHMFD, with a running ring.
+        let mut dev = RawDevice::connect(&socket, 1, 256).expect("raw vhost-user connect");
+        assert!(dev
+            .protocol_features
+            .contains(VhostUserProtocolFeatures::REPLY_ACK));
+        assert!(!dev
+            .protocol_features
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD));
+        let j = d.wait_disk("m", "blocked for dirty logging", |j| {
+            blocker_reasons(j).contains(&"unsupported_feature".to_string())
+        });
+        // VHOST_USER_PROTOCOL_F_LOG_SHMFD is bit 1.
+        assert_eq!(
+            j.get("acked_protocol_features").u64() & (1 << 1),
+            0,
+            "{j:?}"
         );
-    }
-    let refused = wait_for(TIMEOUT, || {
-        std::fs::read_to_string(&log).ok().and_then(|t| {
-            t.lines()
-                .find(|l| l.contains("VHOST_F_LOG_ALL refused"))
-                .map(str::to_string)
+        let unsupported = j
+            .get("migration_blockers")
+            .arr()
+            .iter()
+            .find(|b| b.get("reason").str() == "unsupported_feature")
+            .cloned()
+            .unwrap();
+        assert!(
+            unsupported
+                .get("message")
+                .str()
+                .starts_with("the VMM did not negotiate dirty logging"),
+            "{unsupported:?}"
+        );
+        // Every attempt to start dirty logging is refused with an error status, and the
+        // session goes on: the ring still serves. Once the frontend has blkplaned's list with
+        // the new blocker (the next poll), the refusal names it too.
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        let refused = wait_for(TIMEOUT, || {
+            let r = dev.fe.set_features(dev.features | log_all);
+            assert!(
+                matches!(
+                    r,
+                    Err(vhost::Error::VhostUserProtocol(
+                        vhost::vhost_user::Error::BackendInternalError
+                    ))
+                ),
+                "SET_FEATURES with LOG_ALL: expected an error status, got {r:?}"
+            );
+            dev.assert_alive(0, "a refused VHOST_F_LOG_ALL");
+            let line = std::fs::read_to_string(&log).ok().and_then(|t| {
+                t.lines()
+                    .filter(|l| l.contains("VHOST_F_LOG_ALL refused"))
+                    .find(|l| l.contains("did not negotiate"))
+                    .map(str::to_string)
+            });
+            if line.is_none() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            line
         })
-    })
-    .expect("no refusal of VHOST_F_LOG_ALL in the frontend's log");
-    assert!(
-        refused.contains("operator_backup: weekly backup")
-            && refused.contains("dirty logging is not"),
-        "{refused}"
-    );
+        .expect("no refusal of VHOST_F_LOG_ALL naming the missing LOG_SHMFD in the log");
+        assert!(
+            refused.contains("operator_backup: weekly backup")
+                && refused.contains("unsupported_feature: the VMM did not negotiate dirty logging"),
+            "{refused}"
+        );
+        assert!(!refused.contains("does not offer"), "{refused}");
+    }
 
     // Persisted: a restarted blkplaned (the frontend adopted) still has them.
     let text = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
@@ -1794,8 +1224,9 @@ fn migration_blockers() {
         ["operator_backup", "operator_maintenance"]
     );
 
-    // A VMM connected: the dirty-logging blocker, honest about why; removing the operator
-    // blockers leaves it; the VMM gone, the disk is migratable again.
+    // A VMM connected (libblkio, which does not negotiate LOG_SHMFD): the dirty-logging
+    // blocker, honest about why; removing the operator blockers leaves it; the VMM gone, the
+    // disk is migratable again.
     let mut client = Client::connect(&socket).unwrap();
     client.queue(0).write_at(0, &pattern(1, 4096)).unwrap();
     let j = d.wait_disk("m", "connected", |j| j.get("vmm_connected").bool());
@@ -1807,11 +1238,11 @@ fn migration_blockers() {
         .cloned()
         .unwrap_or_else(|| panic!("no unsupported_feature blocker: {j:?}"));
     assert!(unsupported.get("automatic").bool());
+    let message = unsupported.get("message").str();
     assert!(
-        unsupported
-            .get("message")
-            .str()
-            .contains("does not offer VHOST_USER_PROTOCOL_F_LOG_SHMFD"),
+        message.starts_with("the VMM did not negotiate dirty logging")
+            && message.contains("VHOST_USER_PROTOCOL_F_LOG_SHMFD")
+            && !message.contains("does not offer"),
         "{unsupported:?}"
     );
     d.ctl_json(&["disk", "blocker", "remove", "m", "backup"]);
@@ -1832,4 +1263,216 @@ fn migration_blockers() {
     assert!(listed.arr()[0].get("migratable").bool());
     let text = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
     assert!(!text.contains("migration_blockers"), "{text}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Live migration on one node.
+
+/// Whether a disk's frontend reports a running ring, from its JSON.
+fn any_ring_running(disk: &Json) -> bool {
+    disk.get("queues")
+        .arr()
+        .iter()
+        .any(|q| q.get("running").bool())
+}
+
+/// The events of `kind` for `disk` the watcher has seen so far.
+fn events_of(watcher: &Watcher, kind: &str, disk: &str) -> Vec<Json> {
+    watcher
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.get("kind").str() == kind && e.get("disk_id").str() == disk)
+        .cloned()
+        .collect()
+}
+
+/// A live migration between two libblkio "VMMs" on one node, as blkplaned sees it. Disk `a`
+/// serves the source VMM, which wrote a verified pattern and keeps its rings running; disk
+/// `b` is added with `--incoming-for a` (image and device taken from `a`) and shows it, with
+/// the INCOMING blocker. The destination VMM connects to `b` and starts its rings while the
+/// source's still run: `a` must not be retired — a both_serving event (once) and an error in
+/// blkplaned's log, `a` still listed and serving. The source VMM disconnects: within seconds
+/// `a` is retired (not listed, its frontend gone, its socket and files removed, a removed
+/// event), `b` is no longer incoming (no INCOMING blocker, a migrated event naming both) and
+/// the destination VMM reads what the source VMM wrote.
+#[test]
+fn incoming_disk_takes_over_and_retires_the_source() {
+    let t0 = Instant::now();
+    let d = Daemon::start("cpmig", &[]);
+    let images = TempDir::new("cpmigimg");
+    let img = create_image(&images.join("a.img"), 32 * MIB);
+    let watcher = Watcher::start(&d);
+    let a = add_disk(&d, "a", &img, &["--num-queues", "2", "--serial", "MIG-A"]);
+    let a_pid = a.get("frontend_pid").u64() as u32;
+    let a_socket = socket_of(&a);
+    let two_queues = ClientOptions {
+        num_queues: 2,
+        ..Default::default()
+    };
+
+    // The source VM: a verified pattern on both queues, and the connection kept. A raw
+    // front-end that negotiates dirty logging as QEMU does (a VMM without it could not be
+    // migrated: blkplaned would refuse the incoming disk).
+    let mut source_vmm =
+        RawDevice::connect_negotiating(&a_socket, 2, 128, VhostUserProtocolFeatures::LOG_SHMFD)
+            .unwrap_or_else(|e| panic!("connect a: {e}"));
+    for chunk in 0..CHUNKS {
+        let q = (chunk % 2) as usize;
+        let sector = chunk * CHUNK as u64 / 512;
+        let data = pattern(seed(7, 1, chunk), CHUNK);
+        let w = source_vmm.write(q, sector, &data);
+        assert_eq!(
+            w.status_u32(),
+            Some(VIRTIO_BLK_S_OK),
+            "write through a: {w:?}"
+        );
+        let r = source_vmm.read(q, sector, CHUNK as u32);
+        assert_eq!(
+            r.status_u32(),
+            Some(VIRTIO_BLK_S_OK),
+            "read through a: {r:?}"
+        );
+        assert_same_data(&format!("chunk {chunk} through a"), &r.data[0], &data);
+    }
+    d.wait_disk("a", "running its rings", |j| {
+        j.get("vmm_connected").bool() && any_ring_running(j)
+    });
+
+    // The destination disk: everything but its own socket comes from a.
+    let b = d.ctl_json(&["disk", "add", "b", "--incoming-for", "a"]);
+    let b_pid = b.get("frontend_pid").u64() as u32;
+    let b_socket = socket_of(&b);
+    let config = b.get("config");
+    assert_eq!(config.get("incoming_for").str(), "a");
+    assert_eq!(config.get("image").str(), img.to_str().unwrap());
+    assert_eq!(config.get("serial").str(), "MIG-A");
+    assert_eq!(config.get("num_queues").u64(), 2);
+    assert_eq!(b_socket, d.disks_dir().join("b.sock"));
+    assert!(!b.get("migratable").bool(), "{b:?}");
+    assert_eq!(blocker_reasons(&b), ["incoming"]);
+    let added = watcher.wait("added", "b");
+    assert!(added.get("message").str().contains("incoming"), "{added:?}");
+    let shown = d.ctl_ok(&["disk", "show", "b"]);
+    assert!(shown.contains("incoming for:"), "{shown}");
+    let listed = d.ctl_ok(&["disk", "list"]);
+    assert!(
+        listed.lines().next().unwrap().contains("INCOMING"),
+        "{listed}"
+    );
+
+    // The destination VMM starts its rings while the source's still run: both would serve
+    // the image. a stays, and blkplaned says so, once.
+    let mut dest_vmm =
+        Client::connect_with(&b_socket, &two_queues).unwrap_or_else(|e| panic!("connect b: {e}"));
+    let both = watcher.wait("both_serving", "b");
+    let message = both.get("message").str();
+    assert!(
+        message.contains("disk a") && message.contains("both at once"),
+        "{both:?}"
+    );
+    // Several polls later: still there, still serving, b still incoming, said once.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(alive(a_pid), "a's frontend was stopped while its rings ran");
+    assert_eq!(
+        d.ctl_json(&["disk", "list"])
+            .arr()
+            .iter()
+            .map(|j| j.get("id").str().to_string())
+            .collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+    assert_eq!(d.state_ids(), ["a", "b"]);
+    assert_eq!(d.disk("b").get("config").get("incoming_for").str(), "a");
+    let data = pattern(seed(7, 2, 0), CHUNK);
+    let w = source_vmm.write(0, 0, &data);
+    assert_eq!(
+        w.status_u32(),
+        Some(VIRTIO_BLK_S_OK),
+        "write through a while both serve: {w:?}"
+    );
+    assert_eq!(events_of(&watcher, "both_serving", "b").len(), 1);
+    let errors = d
+        .log_text()
+        .lines()
+        .filter(|l| l.contains(" ERROR ") && l.contains("still serves a running ring"))
+        .count();
+    assert_eq!(errors, 1, "the error is logged once");
+    assert!(events_of(&watcher, "removed", "a").is_empty());
+    assert!(events_of(&watcher, "migrated", "b").is_empty());
+
+    // The source VMM goes (its rings stop): a is retired within seconds.
+    drop(source_vmm);
+    let stopped = Instant::now();
+    let migrated = watcher.wait("migrated", "b");
+    let took = stopped.elapsed();
+    eprintln!("takeover {took:?} after the source VMM disconnected");
+    assert!(took < Duration::from_secs(5), "takeover took {took:?}");
+    assert_eq!(
+        migrated.get("message").str(),
+        "disk b took over from a; a retired"
+    );
+    let removed = watcher.wait("removed", "a");
+    assert!(
+        removed.get("message").str().contains("disk b took over"),
+        "{removed:?}"
+    );
+    let removed_blocker = watcher.wait("blocker_removed", "b");
+    assert_eq!(removed_blocker.get("message").str(), "incoming");
+    assert!(
+        wait_for(TIMEOUT, || (!alive(a_pid)).then_some(())).is_some(),
+        "a's frontend {a_pid} survived its retirement"
+    );
+    assert!(!a_socket.exists(), "a's socket was left behind");
+    d.ctl_refused(&["disk", "show", "a"], "NOT_FOUND", "a");
+    assert_eq!(d.state_ids(), ["b"]);
+    let state = std::fs::read_to_string(d.state_dir.join("state.json")).unwrap();
+    assert!(!state.contains("incoming_for"), "{state}");
+    assert_eq!(d.runtime_files(), ["b.admin", "b.log", "b.pid", "b.sock"]);
+    assert_eq!(d.frontends(), [b_pid]);
+    let j = d.disk("b");
+    assert_eq!(j.get("config").get("incoming_for").str(), "");
+    assert!(
+        !blocker_reasons(&j).contains(&"incoming".to_string()),
+        "{j:?}"
+    );
+    assert_eq!(j.get("frontend_pid").u64() as u32, b_pid);
+    assert!(
+        j.get("vmm_connected").bool() && any_ring_running(&j),
+        "{j:?}"
+    );
+
+    // The destination VMM, connected throughout, reads what the source VMM wrote, and goes
+    // on writing.
+    for chunk in 0..CHUNKS {
+        let q = dest_vmm.queue((chunk % 2) as usize);
+        let offset = chunk * CHUNK as u64;
+        let want = if chunk == 0 {
+            data.clone()
+        } else {
+            pattern(seed(7, 1, chunk), CHUNK)
+        };
+        let back = q
+            .read_at(offset, CHUNK)
+            .unwrap_or_else(|e| panic!("read through b at {offset}: {}", errno_name(e)));
+        assert_same_data(&format!("chunk {chunk} through b"), &back, &want);
+    }
+    let after = pattern(seed(7, 3, 0), CHUNK);
+    dest_vmm
+        .queue(1)
+        .write_at(CHUNKS * CHUNK as u64, &after)
+        .unwrap_or_else(|e| panic!("write through b: {}", errno_name(e)));
+    drop(dest_vmm);
+    assert_same_data(
+        "b's write in the image",
+        &read_file_at(&img, CHUNKS * CHUNK as u64, CHUNK),
+        &after,
+    );
+    assert_eq!(total_stat(&d, "b", "errors"), 0);
+    drop(watcher);
+    eprintln!(
+        "incoming_disk_takes_over_and_retires_the_source took {:.1?}",
+        t0.elapsed()
+    );
 }

@@ -26,12 +26,11 @@
 
 use std::fmt::Write as _;
 use std::fs::File;
-use std::io::Write as _;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use blkplane_tests::guest::*;
 use blkplane_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -47,8 +46,6 @@ const MARKER_OFFSET: u64 = 200 * MIB;
 /// Regions init.sh discards or zeroes (MiB offset, MiB length).
 const ZEROED_REGIONS: [(u64, u64); 3] = [(160, 4), (164, 4), (168, 4)];
 
-/// Upper bound for building (or finding in the cache) the kernel and initramfs.
-const BUILD_TIMEOUT: Duration = Duration::from_secs(300);
 /// Upper bound for the guest, both boots (TCG; about 3 minutes on 2 cores).
 const GUEST_TIMEOUT: Duration = Duration::from_secs(420);
 /// How long QEMU may take to exit after the guest said it is done.
@@ -120,283 +117,49 @@ const BOOT2_CHECKS: &[&str] = &[
     "reboot-marker-written",
 ];
 
-const SETUP_HINT: &str = "run tests/setup.sh as root (it installs qemu-system-x86 from \
-                          bookworm-backports and sets up the apt sources the guest is built from)";
-
-/// Writes straight to the test process's stderr, past libtest's output capture, so that the
-/// progress and the summary show in a passing CI log too.
-fn progress(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "guest: {msg}");
-}
-
-/// The cargo target directory (the nearest ancestor of the test binary with CACHEDIR.TAG).
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.ancestors()
-        .find(|d| d.join("CACHEDIR.TAG").is_file())
-        .unwrap_or_else(|| panic!("{} is not inside a cargo target directory", exe.display()))
-        .to_path_buf()
-}
-
-fn find_in_path(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join(name))
-            .find(|p| p.is_file())
-    })
-}
-
-/// Runs `cmd` with stdout and stderr into files under `dir`, killing it after `timeout`.
-/// Returns (status, stdout, stderr); status None means it timed out.
-fn run_bounded(
-    mut cmd: Command,
-    dir: &Path,
-    tag: &str,
-    timeout: Duration,
-) -> (Option<ExitStatus>, String, String) {
-    let out_path = dir.join(format!("{tag}.stdout"));
-    let err_path = dir.join(format!("{tag}.stderr"));
-    cmd.stdin(Stdio::null())
-        .stdout(File::create(&out_path).unwrap())
-        .stderr(File::create(&err_path).unwrap());
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}; {SETUP_HINT}"));
-    let status = wait_for(timeout, || child.try_wait().unwrap());
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let read =
-        |p: &Path| String::from_utf8_lossy(&std::fs::read(p).unwrap_or_default()).into_owned();
-    (status, read(&out_path), read(&err_path))
-}
-
-/// The kernel and initramfs to boot.
-struct GuestImage {
-    kernel: PathBuf,
-    initrd: PathBuf,
-    info: String,
-}
-
-fn build_guest(scratch: &Path) -> GuestImage {
-    let guest_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
-    let cache = std::env::var_os("BLKPLANE_GUEST_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| target_dir().join("guest"));
-    let Some(python) = find_in_path("python3") else {
-        panic!("python3 not found on PATH; {SETUP_HINT}");
-    };
-    let mut cmd = Command::new(python);
-    cmd.arg(guest_dir.join("build-initramfs.py"))
-        .arg("--cache")
-        .arg(&cache);
-    let started = Instant::now();
-    let (status, stdout, stderr) = run_bounded(cmd, scratch, "build", BUILD_TIMEOUT);
-    match status {
-        None => panic!(
-            "building the guest initramfs took longer than {BUILD_TIMEOUT:?}:\n{stderr}\n{SETUP_HINT}"
-        ),
-        Some(s) if !s.success() => panic!(
-            "building the guest initramfs failed ({s}):\n{stderr}\n{SETUP_HINT} (exit status 3 \
-             means apt does not know the packages or a tool is missing)"
-        ),
-        Some(_) => {}
-    }
-    let field = |k: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
-            .unwrap_or_else(|| panic!("build-initramfs.py printed no {k}=:\n{stdout}\n{stderr}"))
-            .to_string()
-    };
-    let info = format!(
-        "kernel {} initramfs {} ({}, {:.1?}); {}",
-        field("kernel_release"),
-        field("key"),
-        if field("cached") == "yes" {
-            "cached"
-        } else {
-            "built"
-        },
-        started.elapsed(),
-        field("packages")
-    );
-    GuestImage {
-        kernel: field("kernel").into(),
-        initrd: field("initrd").into(),
-        info,
-    }
-}
-
-/// A running QEMU, killed and reaped on drop (and by the kernel if this process dies).
-struct Qemu {
-    child: Child,
-}
-
-impl Qemu {
-    fn spawn(mut cmd: Command) -> Qemu {
-        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
+/// Everything wrong with the report: failed, missing, unexpected or repeated checks.
+fn report_problems(report: &Report) -> Vec<String> {
+    let mut out = Vec::new();
+    let expected: Vec<&str> = BOOT1_CHECKS.iter().chain(BOOT2_CHECKS).copied().collect();
+    for c in &report.checks {
+        if !c.ok {
+            out.push(format!("failed: {} {}", c.name, c.detail));
         }
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning QEMU {cmd:?}: {e}; {SETUP_HINT}"));
-        Qemu { child }
-    }
-
-    fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.try_wait().unwrap()
-    }
-}
-
-impl Drop for Qemu {
-    fn drop(&mut self) {
-        if self.exited().is_none() {
-            let _ = self.child.kill();
-        }
-        let _ = self.child.wait();
-    }
-}
-
-/// One `BLKPLANE-CHECK` line.
-#[derive(Debug)]
-struct Check {
-    ok: bool,
-    name: String,
-    detail: String,
-}
-
-/// What the guest reported on its results port.
-#[derive(Debug, Default)]
-struct Report {
-    lines: Vec<String>,
-    checks: Vec<Check>,
-    boots: Vec<u32>,
-    rebooted: bool,
-    done: Option<String>,
-}
-
-impl Report {
-    fn parse(text: &str) -> Report {
-        let mut r = Report::default();
-        for line in text.lines() {
-            let line = line.trim_end_matches('\r');
-            let Some(start) = line.find("BLKPLANE-") else {
-                continue;
-            };
-            let line = &line[start..];
-            r.lines.push(line.to_string());
-            let mut words = line.splitn(4, ' ');
-            match words.next() {
-                Some("BLKPLANE-CHECK") => {
-                    let verdict = words.next().unwrap_or("");
-                    r.checks.push(Check {
-                        ok: verdict == "ok",
-                        name: words.next().unwrap_or("").to_string(),
-                        detail: words.next().unwrap_or("").to_string(),
-                    });
-                }
-                Some("BLKPLANE-BOOT") => {
-                    if let Some(n) = words.next().and_then(|n| n.parse().ok()) {
-                        r.boots.push(n);
-                    }
-                }
-                Some("BLKPLANE-REBOOT") => r.rebooted = true,
-                Some("BLKPLANE-DONE") => {
-                    r.done = Some(line["BLKPLANE-DONE".len()..].trim().to_string());
-                }
-                _ => {}
-            }
-        }
-        r
-    }
-
-    /// Everything wrong with the report: failed, missing, unexpected or repeated checks.
-    fn problems(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        let expected: Vec<&str> = BOOT1_CHECKS.iter().chain(BOOT2_CHECKS).copied().collect();
-        for c in &self.checks {
-            if !c.ok {
-                out.push(format!("failed: {} {}", c.name, c.detail));
-            }
-            if !expected.contains(&c.name.as_str()) {
-                out.push(format!(
-                    "unexpected check {} (not in this test's list)",
-                    c.name
-                ));
-            }
-        }
-        let mut missing = Vec::new();
-        for name in &expected {
-            match self.checks.iter().filter(|c| c.name == *name).count() {
-                0 => missing.push(*name),
-                1 => {}
-                n => out.push(format!("reported {n} times: {name}")),
-            }
-        }
-        if !missing.is_empty() {
+        if !expected.contains(&c.name.as_str()) {
             out.push(format!(
-                "{} of {} checks never reported: {}",
-                missing.len(),
-                expected.len(),
-                missing.join(" ")
+                "unexpected check {} (not in this test's list)",
+                c.name
             ));
         }
-        if self.boots != [1, 2] {
-            out.push(format!("boots reported: {:?}, want [1, 2]", self.boots));
-        }
-        if !self.rebooted {
-            out.push("boot 1 never said BLKPLANE-REBOOT".into());
-        }
-        match &self.done {
-            None => out.push("no BLKPLANE-DONE".into()),
-            Some(d) if !d.starts_with("failed=0 boot=2") => out.push(format!("BLKPLANE-DONE {d}")),
-            Some(_) => {}
-        }
-        out
     }
-}
-
-fn read_lossy(path: &Path) -> String {
-    String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
-}
-
-/// The last `max` bytes of `text`, cut at a line start.
-fn tail(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
+    let mut missing = Vec::new();
+    for name in &expected {
+        match report.checks.iter().filter(|c| c.name == *name).count() {
+            0 => missing.push(*name),
+            1 => {}
+            n => out.push(format!("reported {n} times: {name}")),
+        }
     }
-    let mut start = text.len() - max;
-    while !text.is_char_boundary(start) {
-        start += 1;
+    if !missing.is_empty() {
+        out.push(format!(
+            "{} of {} checks never reported: {}",
+            missing.len(),
+            expected.len(),
+            missing.join(" ")
+        ));
     }
-    let start = text[start..].find('\n').map_or(start, |i| start + i + 1);
-    &text[start..]
-}
-
-fn sha256_of(path: &Path) -> String {
-    let out = Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .unwrap_or_else(|e| panic!("sha256sum: {e}"));
-    assert!(out.status.success(), "sha256sum {} failed", path.display());
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
-
-/// Sends `signal` to `pid` (a process of the frontend under test).
-fn send_signal(pid: u32, signal: libc::c_int) {
-    // SAFETY: kill(2) on a pid of a process this test started (directly or through the
-    // frontend); no memory is involved.
-    unsafe { libc::kill(pid as libc::pid_t, signal) };
+    if report.boots != [1, 2] {
+        out.push(format!("boots reported: {:?}, want [1, 2]", report.boots));
+    }
+    if !report.rebooted {
+        out.push("boot 1 never said BLKPLANE-REBOOT".into());
+    }
+    match &report.done {
+        None => out.push("no BLKPLANE-DONE".into()),
+        Some(d) if !d.starts_with("failed=0 boot=2") => out.push(format!("BLKPLANE-DONE {d}")),
+        Some(_) => {}
+    }
+    out
 }
 
 /// The sum of the counts in the lines of `log` that contain `marker`, each count being the
@@ -534,20 +297,7 @@ fn host_action(
 #[test]
 fn linux_guest_on_blkplane_disks() {
     let t0 = Instant::now();
-    let Some(qemu_bin) = find_in_path("qemu-system-x86_64") else {
-        panic!("qemu-system-x86_64 not found on PATH; {SETUP_HINT}");
-    };
-    let qemu_version = Command::new(&qemu_bin)
-        .arg("--version")
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .unwrap_or("")
-                .to_string()
-        })
-        .unwrap_or_else(|e| panic!("{} --version: {e}; {SETUP_HINT}", qemu_bin.display()));
+    let (qemu_bin, qemu_version) = qemu_binary();
     progress(&qemu_version);
 
     let dir = TempDir::new("guest");
@@ -744,7 +494,7 @@ fn linux_guest_on_blkplane_disks() {
             Some(_) => {}
         }
     }
-    problems.extend(report.problems());
+    problems.extend(report_problems(&report));
     // A Linux guest is a well-behaved driver: the frontend must not have refused anything.
     for (role, fe) in &frontends {
         let stderr = fe.stderr();

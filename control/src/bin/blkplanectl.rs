@@ -158,9 +158,9 @@ fn parse_reason(s: &str) -> Result<i32, String> {
 struct AddArgs {
     /// The disk's name: [A-Za-z0-9._-], at most 64 characters, not starting with '.'.
     id: String,
-    /// The image: a regular file or a block device.
-    #[arg(long, value_name = "PATH")]
-    image: PathBuf,
+    /// The image: a regular file or a block device [with --incoming-for: the source's].
+    #[arg(long, value_name = "PATH", required_unless_present = "incoming_for")]
+    image: Option<PathBuf>,
     /// Request queues (1..=256) [default: 1].
     #[arg(long, value_name = "N")]
     num_queues: Option<u32>,
@@ -188,6 +188,12 @@ struct AddArgs {
     /// The vhost-user socket [default: RUNTIME_DIR/disks/ID.sock].
     #[arg(long, value_name = "PATH")]
     vhost_socket: Option<PathBuf>,
+    /// Add the disk as the destination of a live migration of disk SRC on this node: start
+    /// the destination VMM (QEMU with -incoming) on this disk's socket; once it runs the VM,
+    /// this disk takes over and SRC is retired. The image and what the guest sees (read-only,
+    /// serial, queues, queue size, block size) default to SRC's and must match them.
+    #[arg(long, value_name = "SRC")]
+    incoming_for: Option<String>,
 }
 
 /// Cache modes.
@@ -305,7 +311,10 @@ async fn run(args: Args) -> Result<(), Failure> {
         Cmd::Disk(DiskCmd::Add(a)) => {
             let req = AddDiskRequest {
                 id: a.id,
-                image: absolute(&a.image)?,
+                image: match a.image {
+                    Some(p) => absolute(&p)?,
+                    None => String::new(),
+                },
                 read_only: a.read_only,
                 serial: a.serial.unwrap_or_default(),
                 num_queues: a.num_queues.unwrap_or(0),
@@ -323,6 +332,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                     Some(p) => absolute(&p)?,
                     None => String::new(),
                 },
+                incoming_for: a.incoming_for.unwrap_or_default(),
             };
             let disk = client.add_disk(req).await?.into_inner();
             match format {

@@ -1,0 +1,420 @@
+//! Running `blkplaned` for a test and driving it with `blkplanectl` (its JSON output read back
+//! with [`Json`]), plus what such tests look at in /proc.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use crate::json::Json;
+use crate::{binaries, wait_for, TempDir};
+
+/// How long blkplaned may take to answer, or a disk to reach a state.
+pub const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The state letter of `pid` (None when it is gone).
+pub fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.rfind(')')?;
+    stat[close + 1..].split_whitespace().next()?.chars().next()
+}
+
+/// Whether `pid` is a live process (not a zombie).
+pub fn alive(pid: u32) -> bool {
+    proc_state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X' | 'x'))
+}
+
+/// The command line of `pid` (empty when it is gone).
+pub fn cmdline(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Live processes with an argument starting with `prefix`.
+pub fn processes_with_arg_prefix(prefix: &str) -> Vec<u32> {
+    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|&pid| alive(pid) && cmdline(pid).iter().any(|a| a.starts_with(prefix)))
+                .collect()
+        })
+        .unwrap_or_default();
+    pids.sort_unstable();
+    pids
+}
+
+/// Sends `signal` to `pid`.
+pub fn kill(pid: u32, signal: i32) {
+    // SAFETY: plain syscall; callers only name processes this test started (directly or
+    // through blkplaned), checked by command line just before.
+    unsafe { libc::kill(pid as libc::pid_t, signal) };
+}
+
+/// What one blkplanectl run produced.
+#[derive(Debug)]
+pub struct Out {
+    /// The exit code (None: killed by a signal).
+    pub code: Option<i32>,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// A `blkplaned` on a private state and runtime directory, killed (with every frontend it
+/// started) on drop. Its log is printed when the test fails.
+pub struct Daemon {
+    child: Option<Child>,
+    /// `--state-dir`.
+    pub state_dir: PathBuf,
+    run_dir: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    /// The command line blkplaned is (re)started with.
+    pub args: Vec<String>,
+    // Last: the directory goes after everything in it was stopped.
+    _dir: TempDir,
+}
+
+impl Daemon {
+    /// Starts blkplaned with private state and runtime directories (named after `tag`),
+    /// fast status polls and `extra` arguments, and waits until its API answers.
+    pub fn start(tag: &str, extra: &[&str]) -> Daemon {
+        let dir = TempDir::new(tag);
+        let state_dir = dir.join("state");
+        let run_dir = dir.join("run");
+        let socket = run_dir.join("control.sock");
+        let mut args: Vec<String> = vec![
+            "--state-dir".into(),
+            state_dir.to_str().unwrap().into(),
+            "--runtime-dir".into(),
+            run_dir.to_str().unwrap().into(),
+            // Fast polls so that connects and disconnects show up quickly.
+            "--poll-interval-ms".into(),
+            "100".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut d = Daemon {
+            child: None,
+            log: dir.join("blkplaned.log"),
+            state_dir,
+            run_dir,
+            socket,
+            args,
+            _dir: dir,
+        };
+        d.spawn();
+        d
+    }
+
+    /// Starts blkplaned (again) with the same arguments and waits until its API answers.
+    pub fn spawn(&mut self) {
+        assert!(self.child.is_none(), "blkplaned is already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let mut cmd = Command::new(&binaries().blkplaned);
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        self.child = Some(cmd.spawn().expect("spawning blkplaned"));
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("blkplaned exited at start: {status}\n{}", self.log_text());
+            }
+            if self.socket.exists() && self.ctl(&["disk", "list"]).code == Some(0) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "blkplaned did not answer within {TIMEOUT:?}\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// blkplaned's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("blkplaned is not running").id()
+    }
+
+    /// SIGKILL, like a crash: nothing is cleaned up.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("blkplaned is not running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn stop(&mut self) {
+        let mut child = self.child.take().expect("blkplaned is not running");
+        kill(child.id(), libc::SIGTERM);
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "blkplaned exited with {status} on SIGTERM"
+                );
+                return;
+            }
+            assert!(Instant::now() < deadline, "blkplaned ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// What blkplaned logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read(&self.log)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// RUNTIME_DIR/disks: sockets, admin sockets, pid files and frontend logs.
+    pub fn disks_dir(&self) -> PathBuf {
+        self.run_dir.join("disks")
+    }
+
+    /// Runs blkplanectl against this daemon.
+    pub fn ctl(&self, args: &[&str]) -> Out {
+        let out = Command::new(&binaries().blkplanectl)
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running blkplanectl");
+        Out {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Runs blkplanectl and expects success; returns stdout.
+    #[track_caller]
+    pub fn ctl_ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert_eq!(
+            out.code,
+            Some(0),
+            "blkplanectl {args:?} failed: {}{}",
+            out.stderr,
+            out.stdout
+        );
+        out.stdout
+    }
+
+    /// Runs blkplanectl with `-o json` and parses the answer.
+    #[track_caller]
+    pub fn ctl_json(&self, args: &[&str]) -> Json {
+        let mut all = vec!["-o", "json"];
+        all.extend_from_slice(args);
+        Json::parse(&self.ctl_ok(&all))
+    }
+
+    /// Runs blkplanectl expecting a refusal with `code` and a message naming `field`.
+    #[track_caller]
+    pub fn ctl_refused(&self, args: &[&str], code: &str, field: &str) -> String {
+        let out = self.ctl(args);
+        assert_eq!(
+            out.code,
+            Some(1),
+            "blkplanectl {args:?} should fail with {code}; stdout: {} stderr: {}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(&format!("{code}: ")),
+            "blkplanectl {args:?}: expected {code}, got: {}",
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(field),
+            "blkplanectl {args:?}: the message does not name {field:?}: {}",
+            out.stderr
+        );
+        out.stderr
+    }
+
+    #[track_caller]
+    /// `disk show ID` as JSON.
+    pub fn disk(&self, id: &str) -> Json {
+        self.ctl_json(&["disk", "show", id])
+    }
+
+    /// Waits until `pred` holds for the disk's JSON; returns it.
+    #[track_caller]
+    pub fn wait_disk(&self, id: &str, what: &str, pred: impl Fn(&Json) -> bool) -> Json {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let d = self.disk(id);
+            if pred(&d) {
+                return d;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "disk {id}: not {what} within {TIMEOUT:?}: {d:?}\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Frontends serving this daemon's disks (by their admin socket's directory).
+    pub fn frontends(&self) -> Vec<u32> {
+        processes_with_arg_prefix(&format!("--admin-socket={}/", self.disks_dir().display()))
+    }
+
+    /// The disk ids in the persisted state, read from the file itself.
+    pub fn state_ids(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(self.state_dir.join("state.json")).unwrap_or_default();
+        if text.is_empty() {
+            return Vec::new();
+        }
+        Json::parse(&text)
+            .get("disks")
+            .arr()
+            .iter()
+            .map(|d| d.get("id").str().to_string())
+            .collect()
+    }
+
+    /// The names of the files in the runtime disks directory.
+    pub fn runtime_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.disks_dir())
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // The disks outlive blkplaned by design: stop them here. Their iothreads die with them.
+        for pid in self.frontends() {
+            kill(pid, libc::SIGKILL);
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "---- blkplaned log ----\n{}\n---- end of blkplaned log ----",
+                self.log_text()
+            );
+            if let Ok(dir) = std::fs::read_dir(self.disks_dir()) {
+                for e in dir.filter_map(|e| e.ok()) {
+                    let p = e.path();
+                    if p.extension().is_some_and(|x| x == "log") {
+                        eprintln!(
+                            "---- {} ----\n{}",
+                            p.display(),
+                            String::from_utf8_lossy(&std::fs::read(&p).unwrap_or_default())
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `blkplanectl events -o json` running in the background, collecting events.
+pub struct Watcher {
+    child: Child,
+    /// Every event received so far.
+    pub events: Arc<Mutex<Vec<Json>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Watcher {
+    /// Starts `blkplanectl events` against `d`, collecting every event.
+    pub fn start(d: &Daemon) -> Watcher {
+        let mut child = Command::new(&binaries().blkplanectl)
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(["-o", "json", "events"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("running blkplanectl events");
+        let stdout = child.stdout.take().unwrap();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&events);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(Json::parse(&line));
+            }
+        });
+        // The stream starts when the call is made: give it a moment to be established.
+        std::thread::sleep(Duration::from_millis(300));
+        Watcher {
+            child,
+            events,
+            reader: Some(reader),
+        }
+    }
+
+    /// Waits until an event of `kind` for `disk` arrived; returns it.
+    #[track_caller]
+    pub fn wait(&self, kind: &str, disk: &str) -> Json {
+        wait_for(TIMEOUT, || {
+            self.events
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|e| e.get("kind").str() == kind && e.get("disk_id").str() == disk)
+                .cloned()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no {kind} event for {disk} within {TIMEOUT:?}; got {:?}",
+                self.events.lock().unwrap()
+            )
+        })
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// The reason names of a disk's migration blockers (`disk show -o json`).
+pub fn blocker_reasons(disk: &Json) -> Vec<String> {
+    disk.get("migration_blockers")
+        .arr()
+        .iter()
+        .map(|b| b.get("reason").str().to_string())
+        .collect()
+}
