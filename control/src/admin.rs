@@ -11,7 +11,7 @@ use std::time::Duration;
 use blkplane_proto::v1::{
     frontend_request, frontend_response, DiskStats, DrainRequest, Drained, FrontendRequest,
     FrontendResponse, FrontendStatus, ResizeDone, ResizeRequest, ResumeRequest,
-    SetMigrationBlockers, StatsRequest, StatusRequest,
+    SetMigrationBlockers, SetThrottle, StatsRequest, StatusRequest,
 };
 use prost::Message;
 use thiserror::Error;
@@ -27,6 +27,10 @@ pub const RESIZE_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long a drain may take: the requests in flight must complete (through an iothread
 /// restart, if one dies meanwhile) and the image may be synced.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long setting I/O limits may take: the frontend hands them to every queue worker
+/// (which may be busy with a batch) before it answers.
+pub const THROTTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Admin-channel failures.
 #[derive(Debug, Error)]
@@ -189,6 +193,20 @@ pub async fn set_migration_blockers(socket: &Path, reasons: Vec<String>) -> Resu
     }
 }
 
+/// Replaces the frontend's I/O limits, throttle group file and member index.
+pub async fn set_throttle(socket: &Path, request: SetThrottle) -> Result<(), AdminError> {
+    match call(
+        socket,
+        frontend_request::Request::SetThrottle(request),
+        THROTTLE_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::ThrottleSet(_) => Ok(()),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,6 +291,32 @@ mod tests {
             status(&path).await,
             Err(AdminError::Unexpected(_))
         ));
+        server.await.unwrap();
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[tokio::test]
+    async fn set_throttle_round_trip() {
+        use blkplane_proto::v1::{ThrottleLimits, ThrottleSet};
+        let path = socket_path("throttle");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(serve_once(listener, |req| {
+            let Some(frontend_request::Request::SetThrottle(t)) = req.request else {
+                panic!("not a SetThrottle")
+            };
+            assert_eq!(t.limits.unwrap().iops_total, 100);
+            assert_eq!((t.group_state_path.as_str(), t.member_index), ("/g", 2));
+            framed(frontend_response::Response::ThrottleSet(ThrottleSet {}))
+        }));
+        let request = SetThrottle {
+            limits: Some(ThrottleLimits {
+                iops_total: 100,
+                ..Default::default()
+            }),
+            group_state_path: "/g".into(),
+            member_index: 2,
+        };
+        set_throttle(&path, request).await.unwrap();
         server.await.unwrap();
         let _ = std::fs::remove_file(&path);
     }

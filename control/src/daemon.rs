@@ -1,8 +1,8 @@
 //! The disk table and the operations on it, below the gRPC layer: adding (validate, start,
 //! persist), removing (check, persist, stop), reading, resizing, statistics, draining and
-//! resuming, migration blockers, the takeover of an incoming disk from its live-migration
-//! source; and the start-up of blkplaned (directories, locks, orphan sweep, adoption of
-//! running frontends).
+//! resuming, migration blockers, I/O limits and throttle groups, the takeover of an incoming
+//! disk from its live-migration source; and the start-up of blkplaned (directories, locks,
+//! orphan sweep, throttle group files, adoption of running frontends).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone};
+use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone, ThrottleLimits};
+use blkplane_throttle::MAX_GROUP_MEMBERS;
 use log::{debug, error, info, warn};
 use thiserror::Error;
 
@@ -21,10 +22,12 @@ use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
 use crate::proc;
 use crate::state::{
     DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, State, StateError, StateStore, StoredDisk,
+    ThrottleSetting,
 };
 use crate::supervisor::{
     self, serving, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings, TakeoverWait,
 };
+use crate::throttle::{self, GroupFile};
 use crate::validate::{self, ValidationError};
 
 /// How blkplaned is set up.
@@ -207,18 +210,22 @@ impl Daemon {
         let state_dir = make_dir(&config.state_dir, 0o700)?;
         let runtime_dir = make_dir(&config.runtime_dir, 0o755)?;
         let disks_dir = make_dir(&runtime_dir.join("disks"), 0o755)?;
+        // Group files are for blkplaned and its frontends only.
+        let throttle_dir = make_dir(&runtime_dir.join("throttle"), 0o700)?;
         let locks = [
             DirLock::acquire(&state_dir)?,
             DirLock::acquire(&runtime_dir)?,
         ];
         let store = StateStore::new(&state_dir);
-        let state = store.load()?;
+        let mut state = store.load()?;
+        prepare_throttle(&store, &mut state, &throttle_dir);
         let settings = Arc::new(Settings {
             frontend_binary: config.frontend_binary,
             disks_dir: disks_dir.clone(),
             policy: config.policy,
             start_timeout: config.start_timeout,
             poll_interval: config.poll_interval,
+            throttle_dir,
         });
         let daemon = Arc::new(Daemon {
             settings,
@@ -511,13 +518,23 @@ impl Daemon {
         let req = self.resolve_incoming(&req)?;
         let (spec, identity) = validate::check_add(&req, &self.ctx)?;
         self.check_conflicts(&spec, identity)?;
+        let throttle_setting = self.incoming_throttle(&spec)?;
+        let lifecycle = DiskLifecycle {
+            throttle: throttle_setting.clone(),
+            ..DiskLifecycle::default()
+        };
         let paths = DiskPaths::new(&self.settings.disks_dir, &spec);
         // A frontend left over from an earlier disk of this id would answer on the admin
         // socket in place of the new one.
         for pid in supervisor::kill_strays(&paths).await {
             warn!("disk {}: killed a stray frontend {pid}", spec.id);
         }
-        let (fe, status) = match supervisor::start(&self.settings, &spec, &paths, false).await {
+        let throttle_request =
+            throttle::frontend_request(&throttle_setting, &self.settings.throttle_dir);
+        let started =
+            supervisor::start_throttled(&self.settings, &spec, &paths, false, &throttle_request)
+                .await;
+        let started = match started {
             Ok(started) => started,
             Err(source) => {
                 supervisor::remove_files(&paths);
@@ -530,7 +547,7 @@ impl Daemon {
         let mut state = Self::state_from(&lock(&self.disks));
         state.disks.push(StoredDisk {
             spec: spec.clone(),
-            lifecycle: DiskLifecycle::default(),
+            lifecycle: lifecycle.clone(),
         });
         state.disks.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
         if let Err(e) = self.store.save(&state) {
@@ -538,17 +555,17 @@ impl Daemon {
                 "disk {}: persisting failed, stopping it again: {e}",
                 spec.id
             );
-            fe.stop(Duration::from_secs(5)).await;
+            started.frontend.stop(Duration::from_secs(5)).await;
             supervisor::remove_files(&paths);
             return Err(e.into());
         }
-        let pid = fe.pid();
+        let pid = started.frontend.pid();
         let handle = DiskHandle::spawn(
             spec.clone(),
-            DiskLifecycle::default(),
+            lifecycle,
             Arc::clone(&self.settings),
             self.events.clone(),
-            Initial::Running(fe, status),
+            Initial::Running(Box::new(started)),
         );
         lock(&self.disks).insert(spec.id.clone(), Arc::clone(&handle));
         self.events.emit(
@@ -593,6 +610,7 @@ impl Daemon {
         lock(&self.disks).remove(id);
         let pid = disk.runtime().pid;
         disk.stop().await;
+        self.drop_group_if_empty(&disk.runtime().lifecycle.throttle.group);
         self.events.emit(EventKind::Removed, id, pid, "");
         Ok(())
     }
@@ -629,6 +647,7 @@ impl Daemon {
             drained: rt.lifecycle.drained,
             migratable: blockers.is_empty(),
             migration_blockers: blockers,
+            throttle: Some(self.throttle_config(disk)),
         }
     }
 
@@ -890,6 +909,208 @@ impl Daemon {
         Ok(self.migration_status(&disk))
     }
 
+    /// Every disk's I/O limits and throttle group, by id.
+    fn throttle_settings(&self) -> BTreeMap<String, ThrottleSetting> {
+        lock(&self.disks)
+            .iter()
+            .map(|(id, d)| (id.clone(), d.runtime().lifecycle.throttle))
+            .collect()
+    }
+
+    /// The throttle setting of a disk being added: an incoming disk takes its source's limits
+    /// and group, as a member of its own with the lowest free index (RESOURCE_EXHAUSTED
+    /// `incoming_for` when the group is full); any other disk starts without. The group's
+    /// file is made sure of (the source's membership should have it there already).
+    fn incoming_throttle(&self, spec: &DiskSpec) -> Result<ThrottleSetting, DaemonError> {
+        let Some(source) = &spec.incoming_for else {
+            return Ok(ThrottleSetting::default());
+        };
+        let settings = self.throttle_settings();
+        let of_source = settings.get(source).cloned().unwrap_or_default();
+        let plan = throttle::plan_set(&settings, &spec.id, of_source.limits, &of_source.group)
+            .map_err(|full| ValidationError::ResourceExhausted {
+                field: "incoming_for",
+                reason: format!(
+                    "disk {source} is in throttle group {}, which has {MAX_GROUP_MEMBERS} \
+                     members already (the most a group can have); its incoming disk would be \
+                     one more",
+                    full.group
+                ),
+            })?;
+        let setting = plan.changes.get(&spec.id).cloned().unwrap_or_default();
+        if !setting.group.is_empty() {
+            self.ensure_group(&setting.group)?;
+        }
+        Ok(setting)
+    }
+
+    /// Makes sure the state file of `group` exists; true if it had to be created.
+    fn ensure_group(&self, group: &str) -> Result<bool, DaemonError> {
+        let path = throttle::group_file(&self.settings.throttle_dir, group);
+        match throttle::ensure_group_file(&path) {
+            Ok(GroupFile::Created) => Ok(true),
+            Ok(GroupFile::Present) => Ok(false),
+            Ok(GroupFile::Extended) => {
+                warn!("{} was short; extended with zeros", path.display());
+                Ok(false)
+            }
+            Err(source) => Err(DaemonError::Io {
+                what: "creating",
+                path,
+                source,
+            }),
+        }
+    }
+
+    /// Removes the state file of `group` (empty: none) if no disk of the table is in it any
+    /// more. Callers hold `ops`, so that no disk joins meanwhile.
+    fn drop_group_if_empty(&self, group: &str) {
+        if group.is_empty() {
+            return;
+        }
+        let used = lock(&self.disks)
+            .values()
+            .any(|d| d.runtime().lifecycle.throttle.group == group);
+        if !used {
+            info!("throttle group {group} has no member left; removing its file");
+            throttle::remove_group_file(&throttle::group_file(&self.settings.throttle_dir, group));
+        }
+    }
+
+    /// The API view of a disk's I/O limits and throttle group.
+    fn throttle_config(&self, disk: &DiskHandle) -> pb::ThrottleConfig {
+        let setting = disk.runtime().lifecycle.throttle;
+        let members: Vec<Arc<DiskHandle>> = if setting.group.is_empty() {
+            Vec::new()
+        } else {
+            lock(&self.disks)
+                .values()
+                .filter(|d| d.runtime().lifecycle.throttle.group == setting.group)
+                .cloned()
+                .collect()
+        };
+        let mut pending: BTreeSet<String> = members
+            .iter()
+            .filter(|d| d.throttle_pending())
+            .map(|d| d.spec.id.clone())
+            .collect();
+        if disk.throttle_pending() {
+            pending.insert(disk.spec.id.clone());
+        }
+        pb::ThrottleConfig {
+            id: disk.spec.id.clone(),
+            limits: Some(setting.limits),
+            member_index: if setting.group.is_empty() {
+                0
+            } else {
+                setting.member_index
+            },
+            group_members: members.iter().map(|d| d.spec.id.clone()).collect(),
+            group: setting.group,
+            pending: pending.into_iter().collect(),
+        }
+    }
+
+    /// GetThrottle.
+    pub fn get_throttle(&self, id: &str) -> Result<pb::ThrottleConfig, DaemonError> {
+        let disk = self.get_handle(id)?;
+        Ok(self.throttle_config(&disk))
+    }
+
+    /// SetThrottle: checks the request, works out what changes (the disk's setting and, in a
+    /// group, every member's limits), creates the group's file, persists all changes in one
+    /// write (undone on failure, with the file if it was new), removes the file of a group
+    /// the disk was the last member of, then sends the limits to every frontend whose
+    /// setting changed — all at once — and returns when each has them or failed to take
+    /// them (`pending`). A refused call changes nothing.
+    pub async fn set_throttle(
+        &self,
+        id: &str,
+        limits: ThrottleLimits,
+        group: &str,
+    ) -> Result<pb::ThrottleConfig, DaemonError> {
+        let (disk, targets) = {
+            let _ops = self.ops.lock().await;
+            let disk = self.get_handle(id)?;
+            validate::check_limits(&limits)?;
+            if !group.is_empty() {
+                validate::check_group(group)?;
+            }
+            let settings = self.throttle_settings();
+            let plan = throttle::plan_set(&settings, id, limits, group).map_err(|full| {
+                ValidationError::ResourceExhausted {
+                    field: "group",
+                    reason: format!(
+                        "throttle group {} has {MAX_GROUP_MEMBERS} members already, the most a \
+                         group can have",
+                        full.group
+                    ),
+                }
+            })?;
+            // The file before the state: a group in the state always has its file.
+            let created = !group.is_empty() && self.ensure_group(group)?;
+            let mut changed = Vec::with_capacity(plan.changes.len());
+            for (member, setting) in &plan.changes {
+                if let Ok(handle) = self.get_handle(member) {
+                    let old = handle.runtime().lifecycle.throttle;
+                    handle.update(|rt| rt.lifecycle.throttle = setting.clone());
+                    changed.push((handle, old));
+                }
+            }
+            if let Err(e) = self.persist() {
+                for (handle, old) in &changed {
+                    handle.update(|rt| rt.lifecycle.throttle = old.clone());
+                }
+                if created {
+                    throttle::remove_group_file(&throttle::group_file(
+                        &self.settings.throttle_dir,
+                        group,
+                    ));
+                }
+                return Err(e);
+            }
+            for (handle, old) in &changed {
+                let new = handle.runtime().lifecycle.throttle;
+                info!(
+                    "disk {}: I/O limits {}{}",
+                    handle.spec.id,
+                    describe_limits(&new.limits),
+                    describe_group(old, &new)
+                );
+            }
+            if let Some(emptied) = &plan.emptied {
+                self.drop_group_if_empty(emptied);
+            }
+            let mut targets: Vec<Arc<DiskHandle>> = changed.into_iter().map(|(h, _)| h).collect();
+            // The disk itself even when nothing changed: its frontend may still lack them.
+            if !targets.iter().any(|h| h.spec.id == id) {
+                targets.push(Arc::clone(&disk));
+            }
+            (disk, targets)
+        };
+        // Outside `ops`: a hung frontend must not hold up the other disks' calls. Each send
+        // reads the disk's current setting under the disk's own lock, so a later SetThrottle
+        // that overtakes this one is never undone by it.
+        let mut sends = tokio::task::JoinSet::new();
+        for handle in targets {
+            sends.spawn(async move {
+                let result = handle.push_throttle().await;
+                (handle.spec.id.clone(), result)
+            });
+        }
+        while let Some(done) = sends.join_next().await {
+            match done {
+                Ok((member, Err(e))) => warn!(
+                    "disk {member}: the frontend did not take the new I/O limits: {e}; \
+                     trying again at every poll"
+                ),
+                Ok((_, Ok(()))) => {}
+                Err(e) => warn!("sending I/O limits: {e}"),
+            }
+        }
+        Ok(self.throttle_config(&disk))
+    }
+
     /// The live migration `disk` takes part in, as (source, destination) ids: it is incoming,
     /// or another disk is incoming for it.
     fn migration_of(&self, disk: &DiskHandle) -> Option<(String, String)> {
@@ -994,6 +1215,7 @@ impl Daemon {
             Some(src) => {
                 let pid = src.runtime().pid;
                 src.stop().await;
+                self.drop_group_if_empty(&src.runtime().lifecycle.throttle.group);
                 self.events.emit(
                     EventKind::Removed,
                     &source_id,
@@ -1078,6 +1300,104 @@ impl Daemon {
     }
 }
 
+/// The limits that are set, for the log: `iops_total=500 bps_read=1048576`, or `none`.
+fn describe_limits(limits: &ThrottleLimits) -> String {
+    let set = throttle::set_limits(limits);
+    if set.is_empty() {
+        return "none".into();
+    }
+    set.iter()
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A group change, for the log.
+fn describe_group(old: &ThrottleSetting, new: &ThrottleSetting) -> String {
+    match (old.group.as_str(), new.group.as_str()) {
+        ("", "") => String::new(),
+        (o, n) if o == n => format!(" (group {n}, member {})", new.member_index),
+        ("", n) => format!("; joined group {n} as member {}", new.member_index),
+        (o, "") => format!("; left group {o}"),
+        (o, n) => format!(
+            "; left group {o}, joined group {n} as member {}",
+            new.member_index
+        ),
+    }
+}
+
+/// Brings the throttle groups of a just-loaded state in order before any frontend is
+/// supervised: member indices repaired if the file had clashes (persisted at once), every
+/// group's state file created if it is missing — never truncated if present, as running
+/// frontends map it — and files of groups that have no member removed (left by a crash
+/// between a state write and the file's creation or removal).
+fn prepare_throttle(store: &StateStore, state: &mut State, throttle_dir: &Path) {
+    let mut settings: BTreeMap<String, ThrottleSetting> = state
+        .disks
+        .iter()
+        .map(|d| (d.spec.id.clone(), d.lifecycle.throttle.clone()))
+        .collect();
+    let mut notes = Vec::new();
+    for (id, s) in settings.iter_mut() {
+        // A group name names a file: one that SetThrottle would refuse (a hand-edited state)
+        // must not reach the file system. The disk keeps its limits, alone.
+        if !s.group.is_empty() {
+            if let Err(e) = validate::check_group(&s.group) {
+                notes.push(format!("disk {id}: {e}; taken out of the group"));
+                s.group.clear();
+            }
+        }
+        // Its frontend would refuse them (and serve unthrottled): say so, once.
+        if let Err(e) = validate::check_limits(&s.limits) {
+            error!(
+                "disk {id}: the stored I/O limits are invalid ({e}); its frontend will refuse them"
+            );
+        }
+    }
+    notes.extend(throttle::repair_indices(&mut settings));
+    if !notes.is_empty() {
+        for note in &notes {
+            warn!("{}: {note}", store.path().display());
+        }
+        for d in &mut state.disks {
+            if let Some(s) = settings.remove(&d.spec.id) {
+                d.lifecycle.throttle = s;
+            }
+        }
+        if let Err(e) = store.save(state) {
+            warn!("persisting the repaired member indices: {e}");
+        }
+    }
+    let groups: BTreeSet<String> = state
+        .disks
+        .iter()
+        .map(|d| d.lifecycle.throttle.group.clone())
+        .filter(|g| !g.is_empty())
+        .collect();
+    for group in &groups {
+        let path = throttle::group_file(throttle_dir, group);
+        match throttle::ensure_group_file(&path) {
+            Ok(GroupFile::Present) => {}
+            Ok(GroupFile::Created) => info!("throttle group {group}: created {}", path.display()),
+            Ok(GroupFile::Extended) => {
+                warn!(
+                    "throttle group {group}: {} was short; extended with zeros",
+                    path.display()
+                )
+            }
+            // Its members' frontends then refuse the limits and stay pending (logged).
+            Err(e) => error!("throttle group {group}: {}: {e}", path.display()),
+        }
+    }
+    for stale in throttle::stale_group_files(throttle_dir, &groups) {
+        info!(
+            "removing {}: its throttle group has no member",
+            stale.display()
+        );
+        throttle::remove_group_file(&stale);
+    }
+}
+
 /// Hands every incoming disk whose VMM runs the migrated VM to [`Daemon::take_over`], every
 /// `interval` (the supervisors' poll interval, whose status it reads), for as long as the
 /// daemon lives.
@@ -1132,6 +1452,8 @@ pub fn sum_queues(queues: &[QueueStats]) -> QueueStats {
         t.errors += q.errors;
         t.rejected += q.rejected;
         t.in_flight += q.in_flight;
+        t.throttled_ns += q.throttled_ns;
+        t.throttled_ops += q.throttled_ops;
         if let Some(h) = &q.latency {
             match &mut latency {
                 None => latency = Some(h.clone()),
@@ -1164,10 +1486,13 @@ mod tests {
             read_bytes: r * 4096,
             in_flight: 1,
             latency: Some(h(c)),
+            throttled_ns: 1000 * u64::from(i + 1),
+            throttled_ops: 1,
             ..Default::default()
         };
         let t = sum_queues(&[q(0, 3, vec![1, 2, 0]), q(1, 5, vec![0, 4, 1])]);
         assert_eq!(t.index, 2);
+        assert_eq!((t.throttled_ns, t.throttled_ops), (3000, 2));
         assert_eq!((t.read_ops, t.read_bytes, t.in_flight), (8, 8 * 4096, 2));
         assert_eq!(t.latency.unwrap().counts, vec![1, 6, 1]);
         assert_eq!(sum_queues(&[]).latency, None);

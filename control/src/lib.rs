@@ -4,7 +4,8 @@
 //! `blkplaned` serves the gRPC API of `proto/blkplane/v1/control.proto`. For each disk it runs
 //! one `blkplane-frontend` (which runs the disk's iothreads), watches it through a pidfd,
 //! restarts it with back-off when it crashes, and talks to it over the frontend's admin
-//! channel (`proto/blkplane/v1/frontend.proto`) for status, statistics and resizing. The set of
+//! channel (`proto/blkplane/v1/frontend.proto`) for status, statistics, resizing, draining,
+//! migration blockers and I/O limits. The set of
 //! disks is persisted; frontends outlive blkplaned and are adopted again when it restarts.
 //!
 //! | module | what |
@@ -17,6 +18,7 @@
 //! | [`admin`] | client of a frontend's admin channel |
 //! | [`events`] | the WatchEvents broadcast |
 //! | [`migration`] | migration blockers (automatic and the operator's) |
+//! | [`throttle`] | I/O limits and throttle groups: member indices, group files, what a frontend is sent |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
 //! | [`proc`] | pidfds and /proc |
 //! | [`ctl`] | blkplanectl's output formats and argument parsing helpers |
@@ -33,6 +35,7 @@ pub mod server;
 pub mod service;
 pub mod state;
 pub mod supervisor;
+pub mod throttle;
 pub mod validate;
 
 /// gRPC service and messages of `blkplane/v1/control.proto` (package `blkplane.v1`). The

@@ -301,6 +301,7 @@ mod tests {
                 message: "nightly".into(),
                 since_unix_ms: 7,
             }],
+            ..Default::default()
         };
         let b = blockers(&rt, NOW);
         assert_eq!(

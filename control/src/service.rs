@@ -12,9 +12,10 @@ use crate::events::EventStream;
 use crate::pb::control_server::Control;
 use crate::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, Disk, DrainDiskRequest, DrainDiskResponse,
-    GetDiskRequest, GetStatsRequest, GetStatsResponse, ListDisksRequest, ListDisksResponse,
-    MigrationStatus, RemoveDiskRequest, RemoveDiskResponse, RemoveMigrationBlockerRequest,
-    ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse, WatchEventsRequest,
+    GetDiskRequest, GetStatsRequest, GetStatsResponse, GetThrottleRequest, ListDisksRequest,
+    ListDisksResponse, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
+    RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse,
+    SetThrottleRequest, ThrottleConfig, WatchEventsRequest,
 };
 use crate::validate::ValidationError;
 
@@ -40,6 +41,7 @@ pub fn to_status(e: DaemonError) -> Status {
             ValidationError::NotFound { .. } => Status::not_found(msg),
             ValidationError::AlreadyExists { .. } => Status::already_exists(msg),
             ValidationError::FailedPrecondition { .. } => Status::failed_precondition(msg),
+            ValidationError::ResourceExhausted { .. } => Status::resource_exhausted(msg),
         },
         DaemonError::NotFound(_) | DaemonError::NoSuchBlocker { .. } => Status::not_found(msg),
         DaemonError::VmmConnected(_)
@@ -190,6 +192,38 @@ impl Control for ControlService {
             .await
             .map_err(|e| logged("RemoveMigrationBlocker", e))?;
         Ok(Response::new(status))
+    }
+
+    async fn set_throttle(
+        &self,
+        request: Request<SetThrottleRequest>,
+    ) -> Result<Response<ThrottleConfig>, Status> {
+        let req = request.into_inner();
+        let limits = req.limits.unwrap_or_default();
+        info!(
+            "SetThrottle {:?} limits {:?} group {:?}",
+            req.id,
+            crate::throttle::set_limits(&limits),
+            req.group
+        );
+        let config = self
+            .daemon
+            .set_throttle(&req.id, limits, &req.group)
+            .await
+            .map_err(|e| logged("SetThrottle", e))?;
+        Ok(Response::new(config))
+    }
+
+    async fn get_throttle(
+        &self,
+        request: Request<GetThrottleRequest>,
+    ) -> Result<Response<ThrottleConfig>, Status> {
+        let id = request.into_inner().id;
+        let config = self
+            .daemon
+            .get_throttle(&id)
+            .map_err(|e| logged("GetThrottle", e))?;
+        Ok(Response::new(config))
     }
 
     type WatchEventsStream = EventStream;

@@ -1,6 +1,7 @@
 //! The desired state: which disks exist, how they are configured (including whether one is
-//! the incoming destination of a live migration), and whether each is drained and blocked
-//! from migration by an operator, persisted as JSON in `STATE_DIR/state.json`.
+//! the incoming destination of a live migration), whether each is drained and blocked from
+//! migration by an operator, and its I/O limits and throttle group, persisted as JSON in
+//! `STATE_DIR/state.json`.
 //!
 //! Every change is written atomically: a temp file in the same directory is written and
 //! fsynced, renamed over the old file, and the directory is fsynced, so that after a crash
@@ -12,6 +13,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use blkplane_proto::v1::ThrottleLimits;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -177,6 +179,36 @@ pub struct OperatorBlocker {
     pub since_unix_ms: u64,
 }
 
+/// A disk's I/O limits and throttle group (SetThrottle), persisted with the disk as
+/// `"throttle": {"limits": {"iops_total": 500}, "group": "g", "member_index": 1}` (fields that
+/// are zero or empty are left out; a disk without limits or group has no `throttle` at all).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThrottleSetting {
+    /// QEMU's limits; for a member of a group, the group's (every member carries the same).
+    /// All zero: no limits.
+    #[serde(default, with = "crate::throttle::limits_serde")]
+    pub limits: ThrottleLimits,
+    /// The throttle group; empty when the disk is throttled alone (or not at all).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub group: String,
+    /// The disk's slot among the group's members (its turn in the round robin), below
+    /// `blkplane_throttle::MAX_GROUP_MEMBERS` and kept while it stays in the group, so that a
+    /// restarted frontend takes the same slot; 0 without a group.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub member_index: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl ThrottleSetting {
+    /// Whether the disk is not throttled and in no group (the default, not written).
+    pub fn is_none(&self) -> bool {
+        *self == ThrottleSetting::default()
+    }
+}
+
 /// What the operator set on a disk besides its configuration; it changes while the disk runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskLifecycle {
@@ -186,6 +218,10 @@ pub struct DiskLifecycle {
     /// Operator migration blockers, at most one per reason, in the order they were added.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub migration_blockers: Vec<OperatorBlocker>,
+    /// I/O limits and throttle group (absent in files written before throttling existed:
+    /// not throttled).
+    #[serde(default, skip_serializing_if = "ThrottleSetting::is_none")]
+    pub throttle: ThrottleSetting,
 }
 
 /// One disk in the state file: its configuration and its lifecycle settings, side by side in
@@ -419,6 +455,7 @@ mod tests {
                 message: "nightly".into(),
                 since_unix_ms: 5,
             }],
+            throttle: ThrottleSetting::default(),
         };
         let state = State {
             version: STATE_VERSION,
@@ -461,6 +498,44 @@ mod tests {
         assert_eq!(text.matches("incoming_for").count(), 1, "{text}");
         assert_eq!(state.disks[1].spec.to_pb().incoming_for, "a");
         assert_eq!(state.disks[0].spec.to_pb().incoming_for, "");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn throttle_is_stored_with_the_disk() {
+        let dir = tmp("throttle");
+        let store = StateStore::new(&dir);
+        let mut a = stored("a");
+        a.lifecycle.throttle = ThrottleSetting {
+            limits: ThrottleLimits {
+                iops_total: 500,
+                bps_read: 1 << 20,
+                ..Default::default()
+            },
+            group: "g".into(),
+            member_index: 3,
+        };
+        let mut b = stored("b");
+        b.lifecycle.throttle.group = "g".into();
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![a, b, stored("c")],
+        };
+        store.save(&state).unwrap();
+        assert_eq!(store.load().unwrap(), state);
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        assert!(text.contains("\"iops_total\": 500"), "{text}");
+        assert!(text.contains("\"member_index\": 3"), "{text}");
+        // Zeros are left out: b (a group without limits, index 0) writes only its group, c
+        // (no setting) nothing at all.
+        assert_eq!(text.matches("\"throttle\"").count(), 2, "{text}");
+        assert_eq!(text.matches("member_index").count(), 1, "{text}");
+        assert_eq!(text.matches("\"limits\": {}").count(), 1, "{text}");
+        // An unknown limit name is refused rather than dropped (the disk would run
+        // unthrottled).
+        let bad = text.replace("iops_total", "iops_totl");
+        std::fs::write(store.path(), bad).unwrap();
+        assert!(matches!(store.load(), Err(StateError::Corrupt { .. })));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -18,19 +18,20 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use blkplane_proto::v1::FrontendStatus;
+use blkplane_proto::v1::{FrontendStatus, SetThrottle};
 use log::{debug, info, warn};
 use thiserror::Error;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::admin;
+use crate::admin::{self, AdminError};
 use crate::events::EventBus;
 use crate::migration::{self, reason_name};
 use crate::pb::{self, DiskState, EventKind, MigrationBlockerReason};
 use crate::proc;
 use crate::state::{DiskLifecycle, DiskSpec};
+use crate::throttle;
 
 /// When to give up on a crashing frontend, and how long to wait between restarts.
 #[derive(Debug, Clone)]
@@ -82,6 +83,8 @@ pub struct Settings {
     /// How often a running frontend's status is polled (VMM connects and disconnects are
     /// noticed this late at most).
     pub poll_interval: Duration,
+    /// `RUNTIME_DIR/throttle`: the state files of throttle groups.
+    pub throttle_dir: PathBuf,
 }
 
 /// The files of one disk in the runtime directory.
@@ -508,6 +511,75 @@ pub async fn start(
     }
 }
 
+/// A frontend [`start_throttled`] started.
+#[derive(Debug)]
+pub struct Started {
+    /// The process.
+    pub frontend: Frontend,
+    /// Its status once it serves.
+    pub status: FrontendStatus,
+    /// The I/O limits it has; `None` when sending them failed (it serves unthrottled until a
+    /// poll sends them again).
+    pub throttle: Option<SetThrottle>,
+}
+
+/// Starts a frontend as [`start`] does, and gives it the I/O limits `throttle` before it
+/// serves any request: unless `throttle` is "no limits, no group" (what a new frontend has),
+/// the frontend starts drained, is sent the limits, and is then resumed — unless the disk
+/// itself is to stay `drained`. A failed resume is logged, and undone by the poll (which
+/// makes the frontend follow the disk's drained state).
+pub async fn start_throttled(
+    settings: &Settings,
+    spec: &DiskSpec,
+    paths: &DiskPaths,
+    drained: bool,
+    throttle: &SetThrottle,
+) -> Result<Started, StartError> {
+    if *throttle == throttle::unthrottled_request() {
+        let (frontend, status) = start(settings, spec, paths, drained).await?;
+        return Ok(Started {
+            frontend,
+            status,
+            throttle: Some(throttle.clone()),
+        });
+    }
+    // Drained from its first moment: a VMM that connects at once (QEMU reconnecting to a
+    // restarted frontend) has its requests wait until the limits are in force.
+    let (fe, mut status) = start(settings, spec, paths, true).await?;
+    let socket = &paths.admin_socket;
+    let applied = match admin::set_throttle(socket, throttle.clone()).await {
+        Ok(()) => Some(throttle.clone()),
+        Err(e) => {
+            warn!(
+                "disk {}: frontend {} did not take its I/O limits ({e}); it serves unthrottled \
+                 until they are sent again",
+                spec.id,
+                fe.pid()
+            );
+            None
+        }
+    };
+    if !drained {
+        if let Err(e) = admin::resume(socket).await {
+            warn!(
+                "disk {}: resuming frontend {} after giving it its I/O limits: {e}",
+                spec.id,
+                fe.pid()
+            );
+        }
+    }
+    if let Ok(s) = admin::status(socket).await {
+        if s.pid == fe.pid() {
+            status = s;
+        }
+    }
+    Ok(Started {
+        frontend: fe,
+        status,
+        throttle: applied,
+    })
+}
+
 /// Kills a child that could not be watched (no pidfd) and reaps it.
 fn kill_and_reap_pid(pid: u32) {
     if let Ok(p) = libc::pid_t::try_from(pid) {
@@ -724,8 +796,8 @@ struct Published {
 /// How the supervision of a disk begins.
 #[derive(Debug)]
 pub enum Initial {
-    /// AddDisk already started the frontend.
-    Running(Frontend, FrontendStatus),
+    /// AddDisk already started the frontend ([`start_throttled`]).
+    Running(Box<Started>),
     /// blkplaned (re)started: adopt the running frontend, or start one if there is none.
     AdoptOrStart,
 }
@@ -761,6 +833,13 @@ pub struct DiskHandle {
     /// The blocker lines last sent to the frontend, and the pid that took them; the lock
     /// orders the sends.
     pushed: tokio::sync::Mutex<Option<(u32, Vec<String>)>>,
+    /// Orders the sends of I/O limits (held across one send).
+    throttle_push: tokio::sync::Mutex<()>,
+    /// The I/O limits the frontend has, and its pid: the last ones it took (or started with).
+    /// Read without waiting for a send under way, for `pending`.
+    throttle_pushed: Mutex<Option<(u32, SetThrottle)>>,
+    /// `RUNTIME_DIR/throttle`, where the group files are.
+    throttle_dir: PathBuf,
     /// For an incoming disk: why its takeover waited at the last attempt, if it did.
     pub takeover_wait: Mutex<Option<TakeoverWait>>,
 }
@@ -779,11 +858,17 @@ impl DiskHandle {
         let incoming_for = spec.incoming_for.take();
         let paths = DiskPaths::new(&settings.disks_dir, &spec);
         let (stop_tx, stop_rx) = watch::channel(false);
-        let (state, pid, status) = match &initial {
-            Initial::Running(fe, status) => {
-                (state_of(Some(status)), fe.pid(), Some(status.clone()))
-            }
-            Initial::AdoptOrStart => (DiskState::Starting, 0, None),
+        let (state, pid, status, throttle_pushed) = match &initial {
+            Initial::Running(started) => (
+                state_of(Some(&started.status)),
+                started.frontend.pid(),
+                Some(started.status.clone()),
+                started
+                    .throttle
+                    .clone()
+                    .map(|t| (started.frontend.pid(), t)),
+            ),
+            Initial::AdoptOrStart => (DiskState::Starting, 0, None, None),
         };
         let disk = Arc::new(DiskHandle {
             spec,
@@ -804,6 +889,9 @@ impl DiskHandle {
             lifecycle_op: tokio::sync::Mutex::new(()),
             published: Mutex::new(BTreeMap::new()),
             pushed: tokio::sync::Mutex::new(None),
+            throttle_push: tokio::sync::Mutex::new(()),
+            throttle_pushed: Mutex::new(throttle_pushed),
+            throttle_dir: settings.throttle_dir.clone(),
             takeover_wait: Mutex::new(None),
         });
         disk.refresh_migration();
@@ -950,6 +1038,46 @@ impl DiskHandle {
         }
     }
 
+    /// What the frontend is to be sent for the disk's current I/O limits and group.
+    fn throttle_request(&self, rt: &Runtime) -> SetThrottle {
+        throttle::frontend_request(&rt.lifecycle.throttle, &self.throttle_dir)
+    }
+
+    /// Sends the disk's current I/O limits to its frontend unless it has them (a new
+    /// frontend, an adopted one, or a change). Ok when the frontend has them, or when none is
+    /// running (a frontend started later gets them before it serves); the admin error when
+    /// sending failed (the next poll tries again).
+    pub async fn push_throttle(&self) -> Result<(), AdminError> {
+        let _order = self.throttle_push.lock().await;
+        let rt = self.runtime();
+        if rt.pid == 0 || !serving(rt.state) {
+            return Ok(());
+        }
+        let want = self.throttle_request(&rt);
+        if lock(&self.throttle_pushed)
+            .as_ref()
+            .is_some_and(|(pid, had)| *pid == rt.pid && *had == want)
+        {
+            return Ok(());
+        }
+        admin::set_throttle(&self.paths.admin_socket, want.clone()).await?;
+        *lock(&self.throttle_pushed) = Some((rt.pid, want));
+        Ok(())
+    }
+
+    /// Whether the running frontend does not have the disk's current I/O limits (yet). False
+    /// when no frontend runs.
+    pub fn throttle_pending(&self) -> bool {
+        let rt = self.runtime();
+        if rt.pid == 0 || !serving(rt.state) {
+            return false;
+        }
+        let want = self.throttle_request(&rt);
+        lock(&self.throttle_pushed)
+            .as_ref()
+            .is_none_or(|(pid, had)| *pid != rt.pid || *had != want)
+    }
+
     /// Stops supervision: the frontend (if any) is stopped and its files removed. Returns
     /// once everything is gone.
     pub async fn stop(&self) {
@@ -1001,7 +1129,7 @@ async fn supervise(
     // Why the next start is a restart (None: the start needs no event, it is AddDisk's).
     let mut restart_reason: Option<String> = None;
     match initial {
-        Initial::Running(fe, _) => current = Some(fe),
+        Initial::Running(started) => current = Some(started.frontend),
         Initial::AdoptOrStart => match adopt(&disk.paths).await {
             Ok(fe) => {
                 let status = admin::status(&disk.paths.admin_socket).await.ok();
@@ -1041,10 +1169,19 @@ async fn supervise(
                 // Not cancelled by a stop request: a start is bounded by start_timeout and
                 // cleans up after itself, while a dropped half-start could leave a process.
                 // A drained disk comes back drained: its frontend starts that way.
-                let drained = disk.runtime().lifecycle.drained;
-                match start(&settings, &disk.spec, &disk.paths, drained).await {
-                    Ok((fe, status)) => {
+                // A throttled disk's frontend gets its limits before it serves.
+                let rt = disk.runtime();
+                let throttle = disk.throttle_request(&rt);
+                let drained = rt.lifecycle.drained;
+                match start_throttled(&settings, &disk.spec, &disk.paths, drained, &throttle).await
+                {
+                    Ok(Started {
+                        frontend: fe,
+                        status,
+                        throttle,
+                    }) => {
                         let pid = fe.pid();
+                        *lock(&disk.throttle_pushed) = throttle.map(|t| (pid, t));
                         disk.update(|rt| {
                             rt.pid = pid;
                             rt.restarts += 1;
@@ -1077,8 +1214,20 @@ async fn supervise(
         };
 
         // Running: watch for exit, stop requests and VMM connects/disconnects. A new frontend
-        // learns its migration blockers at once, not at the first poll.
+        // learns its migration blockers at once, not at the first poll; so does an adopted
+        // one its I/O limits (which it may have had from before, but blkplaned cannot tell:
+        // the limits may have changed while it was down), or a new one whose start could not
+        // give them.
         let pid = fe.pid();
+        if let Err(e) = disk.push_throttle().await {
+            let unthrottled =
+                disk.throttle_request(&disk.runtime()) == throttle::unthrottled_request();
+            if unthrottled {
+                debug!("disk {id}: sending the I/O limits to frontend {pid}: {e}");
+            } else {
+                warn!("disk {id}: sending the I/O limits to frontend {pid}: {e}; trying again at every poll");
+            }
+        }
         disk.push_blockers().await;
         let reason = loop {
             tokio::select! {
@@ -1174,13 +1323,17 @@ async fn crashed(
 
 /// Reads the frontend's status; connects and disconnects become events. Then makes the
 /// frontend follow the desired state: drained or not (after an adoption, or a Drain or
-/// Resume that failed half-way), and the current migration blockers.
+/// Resume that failed half-way), the current migration blockers, and the current I/O limits
+/// (until a frontend that failed to take them has them).
 async fn poll(disk: &DiskHandle) {
     match admin::status(&disk.paths.admin_socket).await {
         Ok(status) => {
             disk.record_status(&status);
             follow_drained(disk, &status).await;
             disk.push_blockers().await;
+            if let Err(e) = disk.push_throttle().await {
+                debug!("disk {}: sending the I/O limits: {e}", disk.spec.id);
+            }
         }
         Err(e) => {
             debug!("disk {}: status: {e}", disk.spec.id);
@@ -1402,6 +1555,7 @@ mod tests {
             policy: RestartPolicy::default(),
             start_timeout: Duration::from_secs(10),
             poll_interval: Duration::from_millis(100),
+            throttle_dir: dir.clone(),
         };
         let mut s = spec();
         s.vhost_socket = dir.join("d.sock");

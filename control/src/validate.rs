@@ -9,12 +9,14 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 
+use blkplane_proto::v1::ThrottleLimits;
 use thiserror::Error;
 
 use crate::migration::{self, reason_name};
 use crate::pb::{AddDiskRequest, CacheMode, MigrationBlockerReason};
 use crate::proc;
 use crate::state::{Cache, DiskSpec, OperatorReason};
+use crate::throttle;
 
 /// Longest disk id.
 pub const MAX_ID_LEN: usize = 64;
@@ -74,6 +76,15 @@ pub enum ValidationError {
         /// What about that disk forbids it.
         reason: String,
     },
+    /// The field names something that is full (RESOURCE_EXHAUSTED): a throttle group with
+    /// the most members it can have.
+    #[error("{field}: {reason}")]
+    ResourceExhausted {
+        /// The request field.
+        field: &'static str,
+        /// What is full.
+        reason: String,
+    },
 }
 
 impl ValidationError {
@@ -83,7 +94,8 @@ impl ValidationError {
             ValidationError::Invalid { field, .. }
             | ValidationError::NotFound { field, .. }
             | ValidationError::AlreadyExists { field, .. }
-            | ValidationError::FailedPrecondition { field, .. } => field,
+            | ValidationError::FailedPrecondition { field, .. }
+            | ValidationError::ResourceExhausted { field, .. } => field,
         }
     }
 }
@@ -138,6 +150,29 @@ fn check_id_in(field: &'static str, id: &str) -> Result<(), ValidationError> {
         return Err(invalid(field, format!("{id:?} must not start with '.'")));
     }
     Ok(())
+}
+
+/// Checks a throttle group's name: the rules of a disk id (it names the group's file in the
+/// runtime directory).
+pub fn check_group(group: &str) -> Result<(), ValidationError> {
+    check_id_in("group", group)
+}
+
+/// Checks I/O limits with QEMU's rules (the `blkplane-throttle` crate's, which the frontend
+/// applies too). The error names the request field, `limits.NAME` with QEMU's name of the
+/// field to fix (`limits.iops_total_max: requires iops_total to be set`).
+pub fn check_limits(limits: &ThrottleLimits) -> Result<(), ValidationError> {
+    blkplane_throttle::ThrottleLimits::from(limits)
+        .validate()
+        .map_err(|e| {
+            let text = e.to_string();
+            // The crate's message starts with the field's bare name; ours with the request's.
+            let reason = text
+                .strip_prefix(&format!("{}: ", e.field()))
+                .unwrap_or(&text)
+                .to_string();
+            invalid(throttle::api_field(e.field()), reason)
+        })
 }
 
 /// The source disk of an incoming disk, as [`resolve_incoming`] needs to see it.
@@ -1006,6 +1041,73 @@ mod tests {
         assert!(parse_cpu_list("-1").is_err());
         assert!(parse_cpu_list("2-1").is_err());
         assert!(parse_cpu_list("1,,2").is_err());
+    }
+
+    #[test]
+    fn throttle_input() {
+        let ok = ThrottleLimits {
+            iops_total: 100,
+            iops_total_max: 200,
+            iops_total_max_length: 10,
+            bps_read: 1 << 20,
+            iops_size: 4096,
+            ..Default::default()
+        };
+        assert_eq!(check_limits(&ok), Ok(()));
+        assert_eq!(check_limits(&ThrottleLimits::default()), Ok(()));
+        let cases: [(ThrottleLimits, &str); 5] = [
+            (
+                ThrottleLimits {
+                    iops_total_max: 5,
+                    ..Default::default()
+                },
+                "limits.iops_total_max",
+            ),
+            (
+                ThrottleLimits {
+                    bps_total: 1,
+                    bps_write: 1,
+                    ..Default::default()
+                },
+                "limits.bps_write",
+            ),
+            (
+                ThrottleLimits {
+                    iops_size: 512,
+                    ..Default::default()
+                },
+                "limits.iops_size",
+            ),
+            (
+                ThrottleLimits {
+                    bps_read: 10,
+                    bps_read_max: 5,
+                    ..Default::default()
+                },
+                "limits.bps_read_max",
+            ),
+            (
+                ThrottleLimits {
+                    iops_write: 1,
+                    iops_write_max_length: 3,
+                    ..Default::default()
+                },
+                "limits.iops_write_max_length",
+            ),
+        ];
+        for (limits, field) in cases {
+            let e = check_limits(&limits).unwrap_err();
+            assert_eq!(e.field(), field, "{e}");
+            let text = e.to_string();
+            assert!(text.starts_with(&format!("{field}: ")), "{text}");
+            // The field is named once, not twice ("limits.x: x: ...").
+            assert!(!text[field.len() + 2..].starts_with(&field[7..]), "{text}");
+            assert!(matches!(e, ValidationError::Invalid { .. }));
+        }
+        assert_eq!(check_group("tenant-A_1.x"), Ok(()));
+        for bad in ["", ".g", "a/b", "a b", &"g".repeat(65)] {
+            assert_eq!(check_group(bad).unwrap_err().field(), "group", "{bad:?}");
+        }
     }
 
     #[test]

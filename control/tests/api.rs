@@ -936,3 +936,686 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     .await
     .expect("AddDisk a after the takeover");
 }
+
+// ---------------------------------------------------------------------------------------------
+// I/O limits and throttle groups.
+
+use blkplane_control::pb::{
+    GetStatsRequest, GetThrottleRequest, SetThrottleRequest, ThrottleConfig,
+};
+use blkplane_proto::v1::ThrottleLimits;
+use blkplane_throttle::{GROUP_STATE_LEN, MAX_GROUP_MEMBERS};
+use std::os::unix::fs::PermissionsExt;
+
+fn iops(n: u64) -> ThrottleLimits {
+    ThrottleLimits {
+        iops_total: n,
+        ..Default::default()
+    }
+}
+
+impl Node {
+    fn throttle_dir(&self) -> PathBuf {
+        self.dir.0.join("run/throttle")
+    }
+
+    async fn set_throttle(
+        &mut self,
+        id: &str,
+        limits: ThrottleLimits,
+        group: &str,
+    ) -> Result<ThrottleConfig, Status> {
+        self.client
+            .set_throttle(SetThrottleRequest {
+                id: id.into(),
+                limits: Some(limits),
+                group: group.into(),
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    async fn throttle(&mut self, id: &str) -> ThrottleConfig {
+        self.client
+            .get_throttle(GetThrottleRequest { id: id.into() })
+            .await
+            .unwrap_or_else(|e| panic!("GetThrottle {id}: {e}"))
+            .into_inner()
+    }
+
+    /// Every disk's (limits, group, index) as GetThrottle reports them.
+    async fn throttles(&mut self) -> Vec<(String, ThrottleLimits, String, u32)> {
+        let mut out = Vec::new();
+        for id in self.ids().await {
+            let t = self.throttle(&id).await;
+            out.push((id, t.limits.unwrap_or_default(), t.group, t.member_index));
+        }
+        out
+    }
+
+    fn state_text(&self) -> String {
+        std::fs::read_to_string(self.path("state/state.json")).unwrap_or_default()
+    }
+
+    /// Adds an ordinary disk on a new 8 MiB image.
+    async fn add_plain(&mut self, id: &str) -> Disk {
+        let img = blkplane_tests::create_image(&self.path(&format!("{id}.img")), 8 * MIB);
+        self.add(AddDiskRequest {
+            id: id.into(),
+            image: path_str(&img),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("AddDisk {id}: {e}"))
+    }
+}
+
+/// The names of the files in a directory, sorted (none if it does not exist).
+fn file_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A group file as blkplaned must create it: GROUP_STATE_LEN zero bytes, mode 0600.
+#[track_caller]
+fn assert_fresh_group_file(path: &Path) {
+    let meta = std::fs::metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(meta.is_file());
+    assert_eq!(meta.len(), GROUP_STATE_LEN as u64, "{}", path.display());
+    assert_eq!(
+        meta.permissions().mode() & 0o777,
+        0o600,
+        "{}",
+        path.display()
+    );
+    assert!(
+        std::fs::read(path).unwrap().iter().all(|b| *b == 0),
+        "{} is not zero-filled",
+        path.display()
+    );
+}
+
+/// SetThrottle and GetThrottle against blkplaned with real frontends: every validation rule
+/// with its code and field, and nothing changed by a refusal (state, files, other disks);
+/// limits alone; a group's file created (GROUP_STATE_LEN zero bytes, 0600) with its first
+/// member and removed with its last; member indices lowest-free and stable; limits set on one
+/// member read back from every other; an incoming disk taking its source's limits and group;
+/// everything kept across a SIGKILL and restart of blkplaned (group files not rewritten);
+/// clear; RemoveDisk leaving the group.
+#[tokio::test]
+async fn throttle_rules_groups_and_persistence() {
+    let mut node = Node::start("throttle").await;
+    for id in ["a", "b", "c", "d"] {
+        node.add_plain(id).await;
+    }
+    // The directory exists from the start, private, and empty.
+    let dir_mode = std::fs::metadata(node.throttle_dir())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(dir_mode & 0o777, 0o700);
+    assert!(file_names(&node.throttle_dir()).is_empty());
+
+    let with = |f: &dyn Fn(&mut ThrottleLimits)| {
+        let mut l = ThrottleLimits::default();
+        f(&mut l);
+        l
+    };
+    let long = "g".repeat(65);
+    let cases: Vec<(&str, &str, ThrottleLimits, &str, Code, &str)> = vec![
+        ("no such disk", "nope", iops(5), "", Code::NotFound, "id"),
+        ("an empty id", "", iops(5), "", Code::NotFound, "id"),
+        (
+            "a burst without its average",
+            "a",
+            with(&|l| l.iops_total_max = 10),
+            "",
+            Code::InvalidArgument,
+            "limits.iops_total_max",
+        ),
+        (
+            "a total with a read limit",
+            "a",
+            with(&|l| {
+                l.bps_total = 10;
+                l.bps_read = 5
+            }),
+            "",
+            Code::InvalidArgument,
+            "limits.bps_read",
+        ),
+        (
+            "iops_size without an iops limit",
+            "a",
+            with(&|l| l.iops_size = 4096),
+            "",
+            Code::InvalidArgument,
+            "limits.iops_size",
+        ),
+        (
+            "a burst below its average",
+            "a",
+            with(&|l| {
+                l.bps_write = 100;
+                l.bps_write_max = 50
+            }),
+            "",
+            Code::InvalidArgument,
+            "limits.bps_write_max",
+        ),
+        (
+            "a burst length without a burst",
+            "a",
+            with(&|l| {
+                l.iops_read = 10;
+                l.iops_read_max_length = 5
+            }),
+            "",
+            Code::InvalidArgument,
+            "limits.iops_read_max_length",
+        ),
+        (
+            "a rate above 1e15",
+            "a",
+            with(&|l| l.bps_total = 1_000_000_000_000_001),
+            "",
+            Code::InvalidArgument,
+            "limits.bps_total",
+        ),
+        (
+            "a burst length above UINT_MAX",
+            "a",
+            with(&|l| {
+                l.iops_total = 1;
+                l.iops_total_max = 2;
+                l.iops_total_max_length = 1 << 32
+            }),
+            "",
+            Code::InvalidArgument,
+            "limits.iops_total_max_length",
+        ),
+        (
+            "a hidden group",
+            "a",
+            iops(5),
+            ".g",
+            Code::InvalidArgument,
+            "group",
+        ),
+        (
+            "a group with a slash",
+            "a",
+            iops(5),
+            "a/b",
+            Code::InvalidArgument,
+            "group",
+        ),
+        (
+            "a group name too long",
+            "a",
+            iops(5),
+            &long,
+            Code::InvalidArgument,
+            "group",
+        ),
+        (
+            "bad limits with a new group",
+            "a",
+            with(&|l| l.iops_write_max = 1),
+            "new",
+            Code::InvalidArgument,
+            "limits.iops_write_max",
+        ),
+    ];
+    let before = node.state_text();
+    for (what, id, limits, group, code, field) in &cases {
+        let r = node.set_throttle(id, *limits, group).await;
+        assert_refused(what, r, *code, field);
+    }
+    let r = node
+        .client
+        .get_throttle(GetThrottleRequest { id: "nope".into() })
+        .await;
+    assert_refused("GetThrottle of no disk", r, Code::NotFound, "id");
+    // Nothing changed: no state, no file, no limits.
+    assert_eq!(node.state_text(), before);
+    assert!(!before.contains("\"throttle\""), "{before}");
+    assert!(file_names(&node.throttle_dir()).is_empty());
+    for (id, limits, group, index) in node.throttles().await {
+        assert_eq!(
+            (limits, group.as_str(), index),
+            (ThrottleLimits::default(), "", 0),
+            "{id}"
+        );
+    }
+
+    // Limits of its own: no group, no file.
+    let limits = with(&|l| {
+        l.iops_total = 100;
+        l.iops_total_max = 200;
+        l.iops_total_max_length = 5;
+        l.bps_read = 1 << 20;
+        l.iops_size = 8192;
+    });
+    let t = node
+        .set_throttle("a", limits, "")
+        .await
+        .expect("SetThrottle a");
+    assert_eq!(t.id, "a");
+    assert_eq!(t.limits, Some(limits));
+    assert!(t.group.is_empty() && t.group_members.is_empty() && t.member_index == 0);
+    assert_eq!(node.throttle("a").await, t);
+    assert!(file_names(&node.throttle_dir()).is_empty());
+    // GetDisk shows the same.
+    assert_eq!(node.get("a").await.throttle.unwrap().limits, Some(limits));
+
+    // A group: its file comes with the first member, indices are handed out lowest first,
+    // and limits set on any member are every member's.
+    let g_file = node.throttle_dir().join("g.state");
+    let t = node
+        .set_throttle("b", iops(200), "g")
+        .await
+        .expect("b joins g");
+    assert_eq!((t.group.as_str(), t.member_index), ("g", 0));
+    assert_eq!(t.group_members, ["b"]);
+    assert_fresh_group_file(&g_file);
+    let t = node
+        .set_throttle("c", iops(300), "g")
+        .await
+        .expect("c joins g");
+    assert_eq!(
+        (t.member_index, t.group_members.clone()),
+        (1, vec!["b".to_string(), "c".into()])
+    );
+    let b = node.throttle("b").await;
+    assert_eq!((b.limits, b.member_index), (Some(iops(300)), 0));
+    assert_eq!(b.group_members, ["b", "c"]);
+    let t = node
+        .set_throttle("d", iops(400), "g")
+        .await
+        .expect("d joins g");
+    assert_eq!(t.member_index, 2);
+    // b leaves (its own limits now): c and d keep their indices and the group's limits.
+    let t = node
+        .set_throttle("b", iops(7), "")
+        .await
+        .expect("b leaves g");
+    assert!(t.group.is_empty() && t.member_index == 0);
+    assert_eq!(t.limits, Some(iops(7)));
+    for (id, index) in [("c", 1), ("d", 2)] {
+        let t = node.throttle(id).await;
+        assert_eq!((t.limits, t.member_index), (Some(iops(400)), index), "{id}");
+        assert_eq!(t.group_members, ["c", "d"]);
+    }
+    assert_fresh_group_file(&g_file);
+    // b comes back: the lowest free index, 0, again.
+    let t = node
+        .set_throttle("b", iops(500), "g")
+        .await
+        .expect("b rejoins g");
+    assert_eq!(t.member_index, 0);
+    assert_eq!(t.group_members, ["b", "c", "d"]);
+    // Limits set on d are b's and c's, indices unchanged; a group without limits is allowed.
+    node.set_throttle("d", iops(600), "g")
+        .await
+        .expect("d sets g");
+    node.set_throttle("c", ThrottleLimits::default(), "g")
+        .await
+        .expect("g without limits");
+    for (id, index) in [("b", 0), ("c", 1), ("d", 2)] {
+        let t = node.throttle(id).await;
+        assert_eq!(
+            (t.limits, t.group.as_str(), t.member_index),
+            (Some(ThrottleLimits::default()), "g", index),
+            "{id}"
+        );
+    }
+    node.set_throttle("d", iops(600), "g")
+        .await
+        .expect("d sets g");
+    // A refusal with a group changes nothing either (no file for the new group).
+    let before = node.state_text();
+    let r = node
+        .set_throttle("b", with(&|l| l.bps_total_max = 1), "h")
+        .await;
+    assert_refused(
+        "bad limits",
+        r,
+        Code::InvalidArgument,
+        "limits.bps_total_max",
+    );
+    assert_eq!(node.state_text(), before);
+    assert_eq!(file_names(&node.throttle_dir()), ["g.state"]);
+    assert_eq!(node.throttle("b").await.group, "g");
+
+    // An incoming disk takes its source's limits and group, with an index of its own.
+    let e = node
+        .add(AddDiskRequest {
+            id: "e".into(),
+            incoming_for: "d".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("AddDisk e incoming for d");
+    let t = e.throttle.expect("Disk.throttle");
+    assert_eq!(
+        (t.limits, t.group.as_str(), t.member_index),
+        (Some(iops(600)), "g", 3)
+    );
+    assert_eq!(t.group_members, ["b", "c", "d", "e"]);
+    // An incoming disk of a source that is not in a group takes its limits alone.
+    let f = node
+        .add(AddDiskRequest {
+            id: "f".into(),
+            incoming_for: "a".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("AddDisk f incoming for a");
+    let t = f.throttle.unwrap();
+    assert_eq!((t.limits, t.group.as_str()), (Some(limits), ""));
+
+    // Persisted, and kept across a SIGKILL and restart of blkplaned; the group's file is not
+    // replaced (frontends map it: the same inode, the same size; that its bytes are kept is
+    // checked by throttle_group_limits_and_startup_files, whose file no frontend writes).
+    let state = node.state_text();
+    assert!(state.contains("\"throttle\""), "{state}");
+    assert!(state.contains("\"member_index\": 3"), "{state}");
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(&g_file).unwrap().ino();
+    let want = node.throttles().await;
+    node.restart().await;
+    node.settle_all().await;
+    assert_eq!(node.throttles().await, want);
+    let meta = std::fs::metadata(&g_file).unwrap();
+    assert_eq!((meta.ino(), meta.len()), (inode, GROUP_STATE_LEN as u64));
+    assert_eq!(node.throttle("c").await.group_members, ["b", "c", "d", "e"]);
+
+    // Clear: no limits, no group, the others untouched.
+    let t = node
+        .set_throttle("c", ThrottleLimits::default(), "")
+        .await
+        .expect("clear c");
+    assert_eq!(
+        t,
+        ThrottleConfig {
+            id: "c".into(),
+            limits: Some(ThrottleLimits::default()),
+            ..Default::default()
+        }
+    );
+    assert_eq!(node.throttle("b").await.group_members, ["b", "d", "e"]);
+    // A removed disk leaves its group; the file goes with the last member, whether it leaves
+    // by SetThrottle or by RemoveDisk.
+    for id in ["e", "f"] {
+        node.client
+            .remove_disk(RemoveDiskRequest {
+                id: id.into(),
+                force: false,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("RemoveDisk {id}: {e}"));
+    }
+    assert_eq!(node.throttle("d").await.group_members, ["b", "d"]);
+    node.set_throttle("b", iops(1), "")
+        .await
+        .expect("b leaves g");
+    assert!(g_file.exists());
+    node.client
+        .remove_disk(RemoveDiskRequest {
+            id: "d".into(),
+            force: false,
+        })
+        .await
+        .expect("RemoveDisk d");
+    assert!(!g_file.exists(), "the group file outlived its last member");
+    assert!(file_names(&node.throttle_dir()).is_empty());
+    let state = node.state_text();
+    assert!(!state.contains("\"group\""), "{state}");
+    // Moving the last member of one group to another removes the first group's file.
+    node.set_throttle("a", iops(1), "x")
+        .await
+        .expect("a joins x");
+    assert_eq!(file_names(&node.throttle_dir()), ["x.state"]);
+    node.set_throttle("a", iops(1), "y")
+        .await
+        .expect("a moves to y");
+    assert_eq!(file_names(&node.throttle_dir()), ["y.state"]);
+    assert_eq!(node.throttle("a").await.member_index, 0);
+}
+
+impl Node {
+    /// Waits until no disk is starting or restarting.
+    async fn settle_all(&mut self) {
+        for id in self.ids().await {
+            self.wait_disk(&id, "serving", |d| {
+                d.frontend_pid != 0
+                    && d.state != blkplane_control::pb::DiskState::Starting as i32
+                    && d.state != blkplane_control::pb::DiskState::Restarting as i32
+            })
+            .await;
+        }
+    }
+}
+
+/// A group with MAX_GROUP_MEMBERS members refuses another (RESOURCE_EXHAUSTED `group`,
+/// nothing changed) but a member may change its limits; a free index goes to the next disk to
+/// join. At start-up blkplaned creates the file of a group that has none, keeps an existing
+/// one as it is, and removes the file of a group without members. (Its disks' frontends are
+/// `/bin/true`, which never serves: none of this needs a running frontend.)
+#[tokio::test]
+async fn throttle_group_limits_and_startup_files() {
+    let dir = Dir::new("thrfull");
+    let mut disks = Vec::new();
+    let disk = |id: &str, throttle: serde_json::Value| {
+        serde_json::json!({
+            "id": id, "image": format!("/nonexistent/{id}.img"), "num_queues": 1,
+            "queue_size": 256, "block_size": 512, "iothreads": 1, "cache": "direct",
+            "vhost_socket": dir.0.join(format!("run/disks/{id}.sock")),
+            "throttle": throttle,
+        })
+    };
+    for i in 0..MAX_GROUP_MEMBERS {
+        let mut t = serde_json::json!({"limits": {"iops_total": 10}, "group": "full"});
+        if i != 0 {
+            t["member_index"] = serde_json::json!(i);
+        }
+        disks.push(disk(&format!("m{i:02}"), t));
+    }
+    disks.push(disk("extra", serde_json::json!({"limits": {}})));
+    disks.push(disk(
+        "solo",
+        serde_json::json!({"limits": {"bps_total": 5}, "group": "lonely"}),
+    ));
+    std::fs::create_dir_all(dir.0.join("state")).unwrap();
+    std::fs::write(
+        dir.0.join("state/state.json"),
+        serde_json::to_vec_pretty(&serde_json::json!({"version": 1, "disks": disks})).unwrap(),
+    )
+    .unwrap();
+    // full.state exists (with a frontend's bytes in it), lonely.state is missing, gone.state
+    // belongs to no group.
+    let tdir = dir.0.join("run/throttle");
+    std::fs::create_dir_all(&tdir).unwrap();
+    let mut full = vec![0u8; GROUP_STATE_LEN];
+    full[8] = 0x77;
+    std::fs::write(tdir.join("full.state"), &full).unwrap();
+    std::fs::write(tdir.join("gone.state"), vec![0u8; GROUP_STATE_LEN]).unwrap();
+
+    // Failed at the first exit: 65 frontends in a restart loop would only slow the test.
+    let _d = start(&dir.0, &["--poll-interval-ms", "100", "--restart-max", "1"]);
+    let mut client = ControlClient::new(unix_channel(&dir.0.join("run/control.sock")).await);
+    assert_eq!(file_names(&tdir), ["full.state", "lonely.state"]);
+    assert_eq!(std::fs::read(tdir.join("full.state")).unwrap(), full);
+    assert_fresh_group_file(&tdir.join("lonely.state"));
+
+    let set = |id: &str, limits: ThrottleLimits, group: &str| SetThrottleRequest {
+        id: id.into(),
+        limits: Some(limits),
+        group: group.into(),
+    };
+    let state_before = std::fs::read(dir.0.join("state/state.json")).unwrap();
+    let r = client
+        .set_throttle(set("extra", iops(10), "full"))
+        .await
+        .map(|r| r.into_inner());
+    assert_refused("a 65th member", r, Code::ResourceExhausted, "group");
+    assert_eq!(
+        std::fs::read(dir.0.join("state/state.json")).unwrap(),
+        state_before
+    );
+    let get = |id: &str| GetThrottleRequest { id: id.into() };
+    let extra = client
+        .get_throttle(get("extra"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(extra.group.is_empty() && extra.limits == Some(ThrottleLimits::default()));
+
+    // A member may still set the full group's limits: every member has them.
+    let t = client
+        .set_throttle(set("m05", iops(20), "full"))
+        .await
+        .expect("a member sets the full group's limits")
+        .into_inner();
+    assert_eq!(t.group_members.len(), MAX_GROUP_MEMBERS);
+    assert_eq!(t.member_index, 5);
+    let last = client.get_throttle(get("m63")).await.unwrap().into_inner();
+    assert_eq!((last.limits, last.member_index), (Some(iops(20)), 63));
+    // m05 leaves; extra joins in its slot, with the group's limits set again.
+    client
+        .set_throttle(set("m05", ThrottleLimits::default(), ""))
+        .await
+        .expect("m05 leaves");
+    let t = client
+        .set_throttle(set("extra", iops(20), "full"))
+        .await
+        .expect("extra joins")
+        .into_inner();
+    assert_eq!(t.member_index, 5);
+    assert_eq!(std::fs::read(tdir.join("full.state")).unwrap(), full);
+}
+
+/// Sums a counter over a disk's queues.
+async fn throttled_ops(node: &mut Node, id: &str) -> u64 {
+    node.client
+        .get_stats(GetStatsRequest { id: id.into() })
+        .await
+        .expect("GetStats")
+        .into_inner()
+        .disks[0]
+        .total
+        .as_ref()
+        .map(|t| t.throttled_ops)
+        .unwrap_or(0)
+}
+
+/// Reads `n` blocks one at a time through `vmm`; returns how long that took.
+fn read_blocks(vmm: &mut blkplane_tests::Client, n: u64) -> Duration {
+    let t0 = Instant::now();
+    for i in 0..n {
+        vmm.queue(0).read_at(i * 4096, 4096).expect("read");
+    }
+    t0.elapsed()
+}
+
+/// The frontend takes the limits blkplaned sends (nothing pending) and applies them: a VMM's
+/// reads are held to the rate and counted as throttled; a group's members all take theirs; a
+/// frontend restarted after SIGKILL and one adopted by a restarted blkplaned have the limits
+/// again; after a clear nothing more is throttled.
+#[tokio::test]
+async fn frontend_takes_the_limits() {
+    let mut node = Node::start("thrfe").await;
+    let a = node.add_plain("a").await;
+    node.add_plain("b").await;
+    let socket = PathBuf::from(a.config.unwrap().vhost_socket);
+
+    // 20 operations per second: QEMU's buckets let a tenth of a second (2) through at once,
+    // so 30 reads take at least 1.3 s.
+    let t = node
+        .set_throttle("a", iops(20), "")
+        .await
+        .expect("SetThrottle a");
+    assert!(
+        t.pending.is_empty(),
+        "the frontend did not take the limits: {t:?}"
+    );
+    let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
+    let took = read_blocks(&mut vmm, 30);
+    assert!(
+        took >= Duration::from_millis(1200),
+        "30 reads at 20 IOPS took {took:?}"
+    );
+    assert!(throttled_ops(&mut node, "a").await > 0);
+
+    // A group: both members' frontends map the file and take the limits.
+    let t = node
+        .set_throttle("a", iops(20), "g")
+        .await
+        .expect("a joins g");
+    assert!(t.pending.is_empty(), "{t:?}");
+    let t = node
+        .set_throttle("b", iops(20), "g")
+        .await
+        .expect("b joins g");
+    assert!(t.pending.is_empty(), "{t:?}");
+    assert_eq!(t.group_members, ["a", "b"]);
+
+    // A frontend SIGKILLed and restarted gets them before it serves again.
+    drop(vmm);
+    let pid = node.get("a").await.frontend_pid;
+    // SAFETY: plain syscall on the frontend this test's blkplaned started.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    node.wait_disk("a", "restarted", |d| {
+        d.frontend_pid != 0
+            && d.frontend_pid != pid
+            && d.state == blkplane_control::pb::DiskState::Ready as i32
+    })
+    .await;
+    let t = node.throttle("a").await;
+    assert!(
+        t.pending.is_empty(),
+        "the restarted frontend lacks the limits: {t:?}"
+    );
+    let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio reconnect");
+    let took = read_blocks(&mut vmm, 30);
+    assert!(
+        took >= Duration::from_millis(1200),
+        "30 reads at 20 IOPS took {took:?}"
+    );
+
+    // Adopted by a restarted blkplaned: sent again, taken.
+    drop(vmm);
+    node.restart().await;
+    node.settle_all().await;
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let t = node.throttle("a").await;
+        if t.pending.is_empty() && node.throttle("b").await.pending.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still pending after adoption: {t:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Cleared: nothing is throttled any more.
+    let t = node
+        .set_throttle("a", ThrottleLimits::default(), "")
+        .await
+        .expect("clear a");
+    assert!(t.pending.is_empty(), "{t:?}");
+    let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
+    let before = throttled_ops(&mut node, "a").await;
+    read_blocks(&mut vmm, 30);
+    assert_eq!(throttled_ops(&mut node, "a").await, before);
+}

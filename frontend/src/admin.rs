@@ -17,7 +17,7 @@ use std::time::Duration;
 use blkplane_proto::v1::{
     frontend_request, frontend_response, DiskStats, Drained, FrontendRequest, FrontendResponse,
     FrontendStatus, LatencyHistogram, MigrationBlockersSet, QueueStats, QueueStatus, ResizeDone,
-    Resumed,
+    Resumed, SetThrottle, ThrottleSet,
 };
 use log::{info, warn};
 use prost::Message;
@@ -46,6 +46,12 @@ pub trait Lifecycle: Send + Sync {
     fn resume(&self) -> Result<(), String>;
 }
 
+/// Applying I/O limits (SetThrottle) to the disk's workers.
+pub trait SetLimits: Send + Sync {
+    /// Replaces the limits; an error names the field that is wrong.
+    fn set_limits(&self, request: &SetThrottle) -> Result<(), String>;
+}
+
 /// What the admin channel answers from: the shared status and the operations it can run.
 #[derive(Clone)]
 pub struct Services {
@@ -55,6 +61,8 @@ pub struct Services {
     pub resize: Arc<dyn Resize>,
     /// Drain and resume.
     pub lifecycle: Arc<dyn Lifecycle>,
+    /// I/O limits.
+    pub limits: Arc<dyn SetLimits>,
 }
 
 /// Why the admin socket could not be set up.
@@ -195,6 +203,10 @@ fn answer(request: FrontendRequest, services: &Services) -> frontend_response::R
             status.set_migration_blockers(b.reasons);
             Response::MigrationBlockersSet(MigrationBlockersSet {})
         }
+        Some(Request::SetThrottle(t)) => match services.limits.set_limits(&t) {
+            Ok(()) => Response::ThrottleSet(ThrottleSet {}),
+            Err(e) => Response::Error(e),
+        },
         None => Response::Error("empty request".into()),
     }
 }
@@ -262,6 +274,8 @@ pub fn disk_stats(status: &DeviceStatus) -> DiskStats {
                 errors: get(&q.errors),
                 rejected: get(&q.rejected),
                 in_flight: get(&q.in_flight),
+                throttled_ns: get(&q.throttled_ns),
+                throttled_ops: get(&q.throttled_ops),
                 latency: Some(LatencyHistogram {
                     upper_bounds_us: (0..q.latency.len()).map(bucket_upper_bound_us).collect(),
                     counts: q.latency.iter().map(get).collect(),
@@ -279,6 +293,15 @@ mod tests {
         StatusRequest,
     };
     use std::sync::atomic::AtomicBool;
+
+    /// Limits that are accepted and ignored (the admin tests do not throttle).
+    struct NoLimits;
+
+    impl SetLimits for NoLimits {
+        fn set_limits(&self, _request: &SetThrottle) -> Result<(), String> {
+            Ok(())
+        }
+    }
 
     struct FixedSize;
 
@@ -354,6 +377,7 @@ mod tests {
             status: Arc::clone(&status),
             resize: Arc::new(FixedSize),
             lifecycle: Arc::clone(&lifecycle) as Arc<dyn Lifecycle>,
+            limits: Arc::new(NoLimits),
         };
         serve(&path, services).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;

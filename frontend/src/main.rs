@@ -15,6 +15,7 @@ mod request;
 mod resize;
 mod socket_lock;
 mod stats;
+mod throttle;
 mod vhost_user;
 mod worker;
 
@@ -37,6 +38,7 @@ use crate::iothread::IothreadLink;
 use crate::lifecycle::Quiescer;
 use crate::resize::DiskResizer;
 use crate::stats::DeviceStatus;
+use crate::throttle::ThrottleControl;
 use crate::vhost_user::BlkBackend;
 use crate::worker::WorkerHandle;
 
@@ -216,6 +218,7 @@ fn run(args: Args) -> Result<(), String> {
             status: Arc::clone(&status),
             resize: Arc::new(resizer),
             lifecycle: quiescer,
+            limits: Arc::new(ThrottleControl::new(Arc::clone(&backend))),
         };
         admin::serve(path, services).map_err(|e| e.to_string())?;
     }

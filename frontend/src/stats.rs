@@ -72,6 +72,10 @@ pub struct QueueCounters {
     pub in_flight: AtomicU64,
     /// Latency histogram of requests that went to an iothread.
     pub latency: [AtomicU64; LATENCY_BUCKETS],
+    /// Nanoseconds requests waited for the I/O limits, summed.
+    pub throttled_ns: AtomicU64,
+    /// Requests that waited for the I/O limits.
+    pub throttled_ops: AtomicU64,
     /// The ring is being served.
     pub running: AtomicBool,
     /// The driver broke the ring.
@@ -108,6 +112,12 @@ impl QueueCounters {
         if let Some(total) = total {
             bump(total, bytes);
         }
+    }
+
+    /// Records a request that waited `waited_ns` for the I/O limits.
+    pub fn throttled(&self, waited_ns: u64) {
+        bump(&self.throttled_ops, 1);
+        bump(&self.throttled_ns, waited_ns);
     }
 
     /// Records a request the frontend answered itself.

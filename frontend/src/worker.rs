@@ -35,10 +35,12 @@ use crate::iothread::IothreadLink;
 use crate::memory::MemoryTable;
 use crate::request::{self, ChainError, Rejected, RequestKind, SegmentSink};
 use crate::stats::{DeviceStatus, QueueCounters};
+use crate::throttle::{self, DiskThrottle, Throttler};
 
 const TOKEN_COMMAND: u64 = u64::MAX;
 const TOKEN_COMPLETION: u64 = u64::MAX - 1;
 const TOKEN_IOTHREAD: u64 = u64::MAX - 2;
+const TOKEN_THROTTLE: u64 = u64::MAX - 3;
 /// Consecutive failed iothread starts before in-flight requests are failed.
 const MAX_START_ATTEMPTS: u32 = 5;
 /// Guest-caused rejections logged at warn level per worker; the rest go to debug.
@@ -113,6 +115,14 @@ pub enum Command {
         /// Acknowledgement.
         reply: Sender<()>,
     },
+    /// Replace the I/O limits (`None`: none). Requests waiting for the old ones are judged by
+    /// the new ones at once.
+    SetThrottle {
+        /// The disk's limits and buckets.
+        throttle: Option<Arc<DiskThrottle>>,
+        /// Acknowledgement.
+        reply: Sender<()>,
+    },
     /// Start (`Some`) or stop (`None`) marking the guest pages this worker writes in a
     /// migration's dirty log. Requests in flight are marked when they complete.
     SetDirtyLog {
@@ -168,6 +178,7 @@ impl WorkerHandle {
             rejections: 0,
             paused: false,
             dirty_log: None,
+            throttler: Throttler::new(slot_count)?,
         };
         worker.scratch.reserve(
             usize::from(worker.disk.queue_size) + usize::from(request::MAX_INDIRECT_DESCRIPTORS),
@@ -175,6 +186,7 @@ impl WorkerHandle {
         worker.publish_iothread_pid();
         worker.watch(worker.wake.as_raw_fd(), TOKEN_COMMAND)?;
         worker.watch(worker.link.complete_event.as_raw_fd(), TOKEN_COMPLETION)?;
+        worker.watch(worker.throttler.timer_fd(), TOKEN_THROTTLE)?;
         if let Some(fd) = worker.link.control_fd() {
             worker.watch(fd, TOKEN_IOTHREAD)?;
         }
@@ -220,6 +232,8 @@ struct SlotState {
     bytes: u64,
     /// Segments in the ring slot (a read's are marked in the dirty log on completion).
     segments: u32,
+    /// Waiting for the I/O limits: popped and parsed, not yet handed to the iothread.
+    throttled: bool,
     popped: Instant,
 }
 
@@ -234,6 +248,7 @@ impl Default for SlotState {
             opcode: Opcode::Flush,
             bytes: 0,
             segments: 0,
+            throttled: false,
             popped: Instant::now(),
         }
     }
@@ -278,6 +293,8 @@ struct Worker {
     /// A migration's dirty log while the VMM has logging on: every guest page this worker
     /// writes is marked in it before the used entry is published.
     dirty_log: Option<Arc<DirtyLog>>,
+    /// The I/O limits and the requests waiting for them.
+    throttler: Throttler,
 }
 
 /// Writes a parsed request's segments straight into its ring slot.
@@ -391,6 +408,7 @@ impl Worker {
                         }
                     }
                     TOKEN_COMPLETION => self.link.clear_completion_event(),
+                    TOKEN_THROTTLE => self.release_throttled(),
                     TOKEN_IOTHREAD => iothread_died = true,
                     local => {
                         let local = local as usize;
@@ -488,6 +506,12 @@ impl Worker {
                 self.wait_until(|w| w.in_flight == 0);
                 let _ = reply.send(waited);
             }
+            Command::SetThrottle { throttle, reply } => {
+                self.throttler.set(throttle);
+                self.release_throttled();
+                self.flush_submissions();
+                let _ = reply.send(());
+            }
             Command::SetDirtyLog { log, reply } => {
                 self.dirty_log = log;
                 let _ = reply.send(());
@@ -528,6 +552,8 @@ impl Worker {
 
     /// Serves completions (and iothread restarts) until `done` holds. Pops nothing new.
     fn wait_until(&mut self, done: impl Fn(&Self) -> bool) {
+        // Nothing new is popped while waiting: what waits for the limits goes now.
+        self.submit_throttled(true);
         while !done(self) {
             self.flush_submissions();
             let mut died = false;
@@ -544,12 +570,21 @@ impl Worker {
                         events: libc::POLLIN,
                         revents: 0,
                     },
+                    // Throttled requests count as in flight: their timer must keep firing.
+                    libc::pollfd {
+                        fd: self.throttler.timer_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
                 ];
-                // SAFETY: polls two descriptors described by a local array.
-                let _ = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+                // SAFETY: polls three descriptors described by a local array.
+                let _ = unsafe { libc::poll(fds.as_mut_ptr(), 3, 1000) };
                 self.link.completions.woke_up();
                 died = control < 0 || fds[1].revents != 0;
                 self.link.clear_completion_event();
+                if fds[2].revents != 0 {
+                    self.release_throttled();
+                }
             }
             if died || self.reap_completions().is_err() {
                 self.restart_iothread();
@@ -726,14 +761,21 @@ impl Worker {
             segment_count: request.segments,
             reserved: 0,
         };
-        let pushed = self
-            .link
-            .slots
-            .set_header(slot, header)
-            .and_then(|()| self.link.submissions.push(slot));
+        // Reads and writes within the I/O limits go now; the rest wait, slot filled, until
+        // the throttle timer lets them go (a test of `None` when there are no limits).
+        let throttled = self.throttler.is_active()
+            && throttle::direction(opcode)
+                .is_some_and(|dir| !self.throttler.admit_or_queue(dir, slot, request.bytes));
+        let pushed = self.link.slots.set_header(slot, header).and_then(|()| {
+            if throttled {
+                Ok(())
+            } else {
+                self.link.submissions.push(slot)
+            }
+        });
         if let Err(e) = pushed {
             // Cannot happen while every slot has a queue entry reserved; fail the request
-            // rather than lose it.
+            // rather than lose it. (A throttled one is only queued once its header is set.)
             error!("worker {}: cannot submit slot {slot}: {e}", self.index);
             let failed = Some((request.status, VIRTIO_BLK_S_IOERR as u8));
             return self.complete_now(local, head, failed, 1, mem);
@@ -748,6 +790,7 @@ impl Worker {
                 opcode,
                 bytes: request.bytes,
                 segments: request.segments,
+                throttled,
                 popped: Instant::now(),
             };
         }
@@ -911,6 +954,47 @@ impl Worker {
         Ok(())
     }
 
+    /// Hands the iothread every throttled request the limits now let go (in order per
+    /// direction) and re-arms the throttle timer for the rest.
+    fn release_throttled(&mut self) {
+        self.submit_throttled(false);
+    }
+
+    /// Submits throttled requests: those the limits let go, or with `all` every one (a stop,
+    /// drain or memory change is waiting for them, as QEMU lifts its limits during a drain).
+    fn submit_throttled(&mut self, all: bool) {
+        let Worker {
+            throttler,
+            slots,
+            link,
+            status,
+            queue_ids,
+            index,
+            ..
+        } = self;
+        let submit = |slot: u32, waited_ns: u64| {
+            let Some(state) = slots.get_mut(slot as usize) else {
+                return;
+            };
+            state.throttled = false;
+            if let Some(counters) = queue_ids
+                .get(usize::from(state.local_queue))
+                .and_then(|&q| status.queue(q))
+            {
+                counters.throttled(waited_ns);
+            }
+            // Cannot fail: every slot has a submission entry reserved.
+            if let Err(e) = link.submissions.push(slot) {
+                error!("worker {index}: cannot submit throttled slot {slot}: {e}");
+            }
+        };
+        if all {
+            throttler.release_all(submit);
+        } else {
+            throttler.release(submit);
+        }
+    }
+
     /// Marks the guest pages a completed read wrote (its slot's segments: region index and
     /// offset, as the parser wrote them) in the dirty log, when logging is on.
     fn log_read_data(&self, slot: u32, segments: u32) {
@@ -999,7 +1083,10 @@ impl Worker {
         }
         let mut resubmitted = 0u32;
         for (slot, state) in self.slots.iter().enumerate() {
-            if state.in_flight && self.link.submissions.push(slot as u32).is_ok() {
+            if state.in_flight
+                && !state.throttled
+                && self.link.submissions.push(slot as u32).is_ok()
+            {
                 resubmitted += 1;
             }
         }
@@ -1015,6 +1102,12 @@ impl Worker {
     /// Last resort when no iothread can be started: fail what is in flight (a stuck guest is
     /// worse than an I/O error it can retry).
     fn fail_in_flight(&mut self) {
+        let slots = &mut self.slots;
+        self.throttler.abandon(|slot| {
+            if let Some(s) = slots.get_mut(slot as usize) {
+                s.throttled = false;
+            }
+        });
         let memory = Arc::clone(&self.memory);
         let mem = memory.guest_memory();
         for slot in 0..self.slots.len() {

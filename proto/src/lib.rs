@@ -14,6 +14,7 @@ pub mod control;
 pub mod cpus;
 pub mod ring;
 pub mod shm;
+pub mod throttle;
 
 /// Protobuf messages of package `blkplane.v1` generated from `blkplane/v1/frontend.proto`.
 #[allow(missing_docs, clippy::all)]

@@ -356,23 +356,7 @@ impl<B: Deref<Target = SharedBuckets>> Throttle<B> {
     /// bucket was empty it also charges the request from that older time, under-accounting
     /// the time in between.
     pub fn try_admit(&self, dir: Direction, bytes: u64, now_ns: u64) -> Admission {
-        let mut wait = 0;
-        for kind in dir.buckets() {
-            let p = &self.params[kind.index()];
-            if p.avg == 0 {
-                continue;
-            }
-            wait = wait.max(
-                self.shared
-                    .excess_ns(main_level(kind), now_ns, p.main_tolerance_ns),
-            );
-            if p.burst {
-                wait = wait.max(
-                    self.shared
-                        .excess_ns(burst_level(kind), now_ns, TENTH_SECOND_NS),
-                );
-            }
-        }
+        let wait = self.wait_ns(dir, now_ns);
         if wait > 0 {
             return Admission::Wait(wait);
         }
@@ -391,6 +375,30 @@ impl<B: Deref<Target = SharedBuckets>> Throttle<B> {
             }
         }
         Admission::Go
+    }
+
+    /// How long a request in direction `dir` would have to wait at `now_ns` (0: it could go
+    /// now), without accounting anything: for a group member whose turn it is not, to know
+    /// when to look again.
+    pub fn wait_ns(&self, dir: Direction, now_ns: u64) -> u64 {
+        let mut wait = 0;
+        for kind in dir.buckets() {
+            let p = &self.params[kind.index()];
+            if p.avg == 0 {
+                continue;
+            }
+            wait = wait.max(
+                self.shared
+                    .excess_ns(main_level(kind), now_ns, p.main_tolerance_ns),
+            );
+            if p.burst {
+                wait = wait.max(
+                    self.shared
+                        .excess_ns(burst_level(kind), now_ns, TENTH_SECOND_NS),
+                );
+            }
+        }
+        wait
     }
 
     /// What a request of `bytes` counts in a bucket, as the fraction `num / den` of units.

@@ -7,6 +7,8 @@
 //!   times in a `#[repr(C)]` block of atomics ([`SharedBuckets`]) that the processes of a
 //!   throttle group can share in memory, and a per-process view ([`Throttle`]) that admits or
 //!   delays a request.
+//! - [`group`]: a throttle group's shared file: the buckets and the round robin between the
+//!   members with waiting requests.
 //!
 //! The crate computes only: it reads no clock and sleeps nowhere. The caller passes
 //! `CLOCK_MONOTONIC` in nanoseconds, and on [`Admission::Wait`] arms its own timer.
@@ -29,6 +31,8 @@
 
 pub mod bucket;
 pub mod config;
+pub mod group;
 
 pub use bucket::{Admission, Direction, Operation, SharedBuckets, Throttle};
 pub use config::{BucketKind, BucketLimit, LimitsError, ThrottleLimits, MAX_LENGTH_MAX, VALUE_MAX};
+pub use group::{GroupState, GROUP_STATE_LEN, MAX_GROUP_MEMBERS};

@@ -12,8 +12,9 @@ use blkplane_control::ctl;
 use blkplane_control::pb::control_client::ControlClient;
 use blkplane_control::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DrainDiskRequest, GetDiskRequest,
-    GetStatsRequest, ListDisksRequest, MigrationStatus, RemoveDiskRequest,
-    RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, WatchEventsRequest,
+    GetStatsRequest, GetThrottleRequest, ListDisksRequest, MigrationStatus, RemoveDiskRequest,
+    RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ThrottleConfig,
+    WatchEventsRequest,
 };
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
@@ -119,6 +120,22 @@ enum DiskCmd {
     /// Migration blockers: why a disk must not be live-migrated.
     #[command(subcommand)]
     Blocker(BlockerCmd),
+    /// Show or set a disk's I/O limits and throttle group (QEMU's limits and semantics).
+    /// Without options: show them. With limit options: set them (the ones not given are 0);
+    /// for a disk in a group they are the group's, for every member. --clear removes them.
+    #[command(
+        after_help = "Examples:\n  blkplanectl disk throttle vm1 --iops-total 500 --bps-total 100M\n  \
+                      blkplanectl disk throttle vm1 --iops-total 2000 --group tenant-a\n  \
+                      blkplanectl disk throttle vm2 --group tenant-a   (joins with the group's limits)\n  \
+                      blkplanectl disk throttle vm1 --clear"
+    )]
+    Throttle {
+        /// The disk.
+        id: String,
+        // Boxed: its 21 options would make every other command as large.
+        #[command(flatten)]
+        args: Box<ctl::ThrottleArgs>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -299,6 +316,13 @@ fn print_migration(format: Format, m: &MigrationStatus) {
     }
 }
 
+fn print_throttle(format: Format, t: &ThrottleConfig) {
+    match format {
+        Format::Json => print_json(&ctl::throttle_json(t)),
+        Format::Table => print!("{}", ctl::throttle_detail(t)),
+    }
+}
+
 fn print_json_line(v: &Value) -> bool {
     let mut out = std::io::stdout();
     writeln!(out, "{v}").and_then(|_| out.flush()).is_ok()
@@ -444,6 +468,34 @@ async fn run(args: Args) -> Result<(), Failure> {
                 .await?
                 .into_inner();
             print_migration(format, &m);
+        }
+        Cmd::Disk(DiskCmd::Throttle { id, args }) => {
+            let current = client
+                .get_throttle(GetThrottleRequest { id })
+                .await?
+                .into_inner();
+            if args.is_show() {
+                print_throttle(format, &current);
+                return Ok(());
+            }
+            // Joining a group without naming limits keeps the group's: read them from a
+            // member (a SetThrottle always sets the group's limits).
+            let group_limits = match args.needs_group_limits() {
+                Some(group) => {
+                    let disks = client
+                        .list_disks(ListDisksRequest {})
+                        .await?
+                        .into_inner()
+                        .disks;
+                    ctl::group_limits(&disks, group)
+                }
+                None => None,
+            };
+            let config = client
+                .set_throttle(args.request(&current, group_limits))
+                .await?
+                .into_inner();
+            print_throttle(format, &config);
         }
         Cmd::Stats {
             id,

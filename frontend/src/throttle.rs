@@ -1,0 +1,615 @@
+//! I/O limits in the frontend, with QEMU's semantics (the arithmetic is the
+//! `blkplane-throttle` crate).
+//!
+//! blkplaned sends the limits over the admin channel (SetThrottle); [`DiskThrottle`] is what
+//! every queue worker of the disk then shares: the limits and the buckets — the frontend's
+//! own, or a throttle group's, in a file blkplaned created that every member's frontend maps
+//! (each member in its own process). Each worker owns a [`Throttler`]: reads and writes
+//! (write-zeroes counts as a write of its range, as in QEMU) are admitted while the buckets
+//! have room; otherwise the request — parsed, its ring slot filled — waits in a FIFO per
+//! direction (a later request never overtakes an earlier one of its direction, as in QEMU)
+//! and a timerfd wakes the worker when the first can go: no busy loop, no error. Flush,
+//! discard and GET_ID are not throttled (QEMU throttles reads and writes only); a flush need
+//! not wait for throttled writes: by the virtio spec it covers the writes that had completed
+//! when it was sent, and a waiting write has not. In a group, members with waiting requests
+//! take turns (round robin, [`GroupState`]). Without limits the hot path costs one `Option`
+//! test.
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::ops::Deref;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use blkplane_proto::ring::Opcode;
+use blkplane_proto::shm::SharedMapping;
+use blkplane_proto::v1;
+use blkplane_throttle::{
+    Admission, Direction, GroupState, LimitsError, SharedBuckets, Throttle, ThrottleLimits,
+    GROUP_STATE_LEN, MAX_GROUP_MEMBERS,
+};
+use log::info;
+use vmm_sys_util::timerfd::TimerFd;
+
+use crate::admin::SetLimits;
+use crate::vhost_user::BlkBackend;
+use crate::worker::Command;
+
+/// A group member whose turn it is not looks again this often at the latest, and so keeps
+/// its waiting mark fresh (well under `blkplane_throttle::group::STALE_NS`).
+const GROUP_RECHECK_NS: u64 = 20_000_000;
+/// A member that may not go yet looks again after at least this long.
+const MIN_RECHECK_NS: u64 = 200_000;
+
+/// Why a SetThrottle could not be applied (nothing changed then).
+#[derive(Debug, thiserror::Error)]
+pub enum ThrottleError {
+    /// The limits break one of QEMU's rules.
+    #[error("limits.{0}")]
+    Limits(#[from] LimitsError),
+    /// The member index is not below the group size limit.
+    #[error("member_index: {0} is not below {MAX_GROUP_MEMBERS}")]
+    MemberIndex(u32),
+    /// The group's state file cannot be opened or mapped.
+    #[error("group_state_path: {path}: {source}")]
+    GroupFile {
+        /// The path blkplaned sent.
+        path: String,
+        /// What failed.
+        source: io::Error,
+    },
+    /// The group's state file has the wrong size (not made by this blkplane's blkplaned).
+    #[error("group_state_path: {path} is {len} bytes, not {GROUP_STATE_LEN}")]
+    GroupFileSize {
+        /// The path blkplaned sent.
+        path: String,
+        /// Its length.
+        len: u64,
+    },
+}
+
+/// The nanoseconds of `CLOCK_MONOTONIC`, the clock the members of a group share.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    u64::try_from(ts.tv_sec)
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
+}
+
+/// A throttle group's state file, mapped.
+#[derive(Debug)]
+struct GroupFile {
+    mapping: SharedMapping,
+}
+
+impl GroupFile {
+    fn open(path: &str) -> Result<Self, ThrottleError> {
+        let failed = |source| ThrottleError::GroupFile {
+            path: path.to_string(),
+            source,
+        };
+        let file: File = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(failed)?;
+        let len = file.metadata().map_err(failed)?.len();
+        // Exactly the size blkplaned makes: a shorter file would fault when touched beyond
+        // its end, a longer one is not a group file.
+        if len != GROUP_STATE_LEN as u64 {
+            return Err(ThrottleError::GroupFileSize {
+                path: path.to_string(),
+                len,
+            });
+        }
+        let mapping = SharedMapping::new(&file, len, 0).map_err(failed)?;
+        Ok(Self { mapping })
+    }
+}
+
+impl Deref for GroupFile {
+    type Target = GroupState;
+
+    fn deref(&self) -> &GroupState {
+        // SAFETY: the mapping is GROUP_STATE_LEN bytes, page aligned (so aligned for the
+        // 8-byte atomics), lives as long as `self`, and GroupState is made of atomics only,
+        // valid for any bit pattern another process may have stored.
+        unsafe { &*self.mapping.as_ptr().cast::<GroupState>() }
+    }
+}
+
+/// Where a disk's buckets live.
+#[derive(Debug, Clone)]
+enum Buckets {
+    /// The disk is throttled alone.
+    Own(Arc<SharedBuckets>),
+    /// The disk is a member of a group.
+    Group(Arc<GroupFile>),
+}
+
+impl Deref for Buckets {
+    type Target = SharedBuckets;
+
+    fn deref(&self) -> &SharedBuckets {
+        match self {
+            Buckets::Own(b) => b,
+            Buckets::Group(g) => &g.buckets,
+        }
+    }
+}
+
+/// The limits of a disk and the buckets they are accounted in, shared by its workers.
+#[derive(Debug)]
+pub struct DiskThrottle {
+    throttle: Throttle<Buckets>,
+    /// The group state and this disk's member index, in a group.
+    group: Option<(Arc<GroupFile>, usize)>,
+}
+
+impl DiskThrottle {
+    /// The throttle of a SetThrottle request; `None` when it sets no limit. The buckets start
+    /// empty (a group's are emptied, as QEMU does whenever limits are set).
+    pub fn from_request(request: &v1::SetThrottle) -> Result<Option<Arc<Self>>, ThrottleError> {
+        let limits = request
+            .limits
+            .as_ref()
+            .map(ThrottleLimits::from)
+            .unwrap_or_default();
+        limits.validate()?;
+        if limits.is_unlimited() {
+            return Ok(None);
+        }
+        let (buckets, group) = if request.group_state_path.is_empty() {
+            (Buckets::Own(Arc::new(SharedBuckets::new())), None)
+        } else {
+            let index = usize::try_from(request.member_index)
+                .ok()
+                .filter(|&i| i < MAX_GROUP_MEMBERS)
+                .ok_or(ThrottleError::MemberIndex(request.member_index))?;
+            let file = Arc::new(GroupFile::open(&request.group_state_path)?);
+            (Buckets::Group(Arc::clone(&file)), Some((file, index)))
+        };
+        let mut throttle = Throttle::new(limits, buckets)?;
+        throttle.set_limits(limits)?;
+        Ok(Some(Arc::new(Self { throttle, group })))
+    }
+
+    /// Asks whether a request may go now (accounted) or how long to wait: in a group, only
+    /// when it is this member's turn or the member holding it is not waiting.
+    fn admit(&self, dir: Direction, bytes: u64, now_ns: u64) -> Admission {
+        if let Some((group, member)) = &self.group {
+            if !group.may_go(*member, now_ns) {
+                let wait = self.throttle.wait_ns(dir, now_ns);
+                return Admission::Wait(wait.clamp(MIN_RECHECK_NS, GROUP_RECHECK_NS));
+            }
+        }
+        let admission = self.throttle.try_admit(dir, bytes, now_ns);
+        if let (Admission::Go, Some((group, member))) = (&admission, &self.group) {
+            group.pass_turn(*member, now_ns);
+        }
+        match (admission, &self.group) {
+            // Keep the waiting mark fresh while waiting longer than it stays valid.
+            (Admission::Wait(ns), Some(_)) => Admission::Wait(ns.min(GROUP_RECHECK_NS)),
+            (a, _) => a,
+        }
+    }
+
+    fn set_waiting(&self, waiting: bool, now_ns: u64) {
+        if let Some((group, member)) = &self.group {
+            if waiting {
+                group.set_waiting(*member, now_ns);
+            } else {
+                group.clear_waiting(*member);
+            }
+        }
+    }
+}
+
+/// Applies blkplaned's SetThrottle to every queue worker of the disk, at once: a command
+/// each, answered once the worker uses the new limits (requests already waiting included).
+pub struct ThrottleControl {
+    backend: Arc<Mutex<BlkBackend>>,
+}
+
+impl ThrottleControl {
+    /// Control over the workers of `backend`.
+    pub fn new(backend: Arc<Mutex<BlkBackend>>) -> Self {
+        Self { backend }
+    }
+}
+
+impl SetLimits for ThrottleControl {
+    fn set_limits(&self, request: &v1::SetThrottle) -> Result<(), String> {
+        let throttle = DiskThrottle::from_request(request).map_err(|e| e.to_string())?;
+        let backend = self.backend.lock().unwrap_or_else(|p| p.into_inner());
+        // Posted to all first, so that every worker switches at about the same time.
+        let answers: Vec<_> = backend
+            .workers()
+            .iter()
+            .map(|w| {
+                w.post(|reply| Command::SetThrottle {
+                    throttle: throttle.clone(),
+                    reply,
+                })
+            })
+            .collect();
+        for (index, answer) in answers.into_iter().enumerate() {
+            answer
+                .ok()
+                .and_then(|a| a.recv().ok())
+                .ok_or_else(|| format!("queue worker {index} is gone"))?;
+        }
+        match &throttle {
+            None => info!("I/O limits: none"),
+            Some(_) => info!(
+                "I/O limits: {:?}{}",
+                request.limits.unwrap_or_default(),
+                if request.group_state_path.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " in group {} as member {}",
+                        request.group_state_path, request.member_index
+                    )
+                }
+            ),
+        }
+        Ok(())
+    }
+}
+
+/// The direction a request is throttled in; `None` for requests QEMU does not throttle.
+pub fn direction(opcode: Opcode) -> Option<Direction> {
+    match opcode {
+        Opcode::Read => Some(Direction::Read),
+        Opcode::Write | Opcode::WriteZeroes => Some(Direction::Write),
+        Opcode::Flush | Opcode::Discard => None,
+    }
+}
+
+/// A request waiting for the limits.
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    slot: u32,
+    bytes: u64,
+    since_ns: u64,
+}
+
+/// One worker's side of throttling: the limits in force, the waiting requests and the timer.
+pub struct Throttler {
+    limits: Option<Arc<DiskThrottle>>,
+    /// Per direction (read, write), in arrival order.
+    waiting: [VecDeque<Waiting>; 2],
+    timer: TimerFd,
+    /// When the timer fires (`CLOCK_MONOTONIC` ns), if armed.
+    deadline: Option<u64>,
+}
+
+fn lane(dir: Direction) -> usize {
+    match dir {
+        Direction::Read => 0,
+        Direction::Write => 1,
+    }
+}
+
+impl Throttler {
+    /// No limits; room for `capacity` waiting requests (the worker's slots), so that queueing
+    /// never allocates.
+    pub fn new(capacity: usize) -> io::Result<Self> {
+        let timer = TimerFd::new()?;
+        // Non-blocking, so that `release` can consume an expiry that may not have come.
+        // SAFETY: fcntl on a descriptor this function owns; the result is checked.
+        if unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            limits: None,
+            waiting: [
+                VecDeque::with_capacity(capacity),
+                VecDeque::with_capacity(capacity),
+            ],
+            timer,
+            deadline: None,
+        })
+    }
+
+    /// The timerfd to watch; when it is readable call [`Throttler::release`].
+    pub fn timer_fd(&self) -> RawFd {
+        self.timer.as_raw_fd()
+    }
+
+    /// Limits are set.
+    pub fn is_active(&self) -> bool {
+        self.limits.is_some()
+    }
+
+    /// Requests waiting.
+    pub fn waiting(&self) -> usize {
+        self.waiting.iter().map(VecDeque::len).sum()
+    }
+
+    /// Replaces the limits; call [`Throttler::release`] next (the new ones may let waiting
+    /// requests go, and none at all lets every one go).
+    pub fn set(&mut self, limits: Option<Arc<DiskThrottle>>) {
+        if let Some(old) = &self.limits {
+            old.set_waiting(false, 0);
+        }
+        self.limits = limits;
+        self.deadline = None;
+    }
+
+    /// Decides for a new request of `bytes` in `dir`, its slot ready: `true` if it may be
+    /// submitted now (it has been accounted), `false` if it was queued.
+    pub fn admit_or_queue(&mut self, dir: Direction, slot: u32, bytes: u64) -> bool {
+        let Some(limits) = &self.limits else {
+            return true;
+        };
+        let now = monotonic_ns();
+        let lane = lane(dir);
+        let queue_empty = self.waiting.get(lane).is_some_and(VecDeque::is_empty);
+        let wait = if queue_empty {
+            match limits.admit(dir, bytes, now) {
+                Admission::Go => return true,
+                Admission::Wait(ns) => ns,
+            }
+        } else {
+            // Behind earlier requests of its direction: the timer is armed for them.
+            0
+        };
+        limits.set_waiting(true, now);
+        if let Some(q) = self.waiting.get_mut(lane) {
+            q.push_back(Waiting {
+                slot,
+                bytes,
+                since_ns: now,
+            });
+        }
+        if wait > 0 {
+            self.arm(now.saturating_add(wait));
+        }
+        false
+    }
+
+    fn arm(&mut self, deadline: u64) {
+        if self.deadline.is_some_and(|d| d <= deadline) {
+            return;
+        }
+        let now = monotonic_ns();
+        let after = Duration::from_nanos(deadline.saturating_sub(now).max(1));
+        if self.timer.reset(after, None).is_ok() {
+            self.deadline = Some(deadline);
+        }
+    }
+
+    /// Lets every waiting request go that may (all of them without limits), in order per
+    /// direction, calling `submit(slot, waited_ns)` for each, and re-arms the timer for the
+    /// first that may not.
+    pub fn release(&mut self, mut submit: impl FnMut(u32, u64)) {
+        // Consume a fired timer (nothing to read is fine: called for other reasons too).
+        let _ = self.timer.wait();
+        self.deadline = None;
+        let now = monotonic_ns();
+        let mut next: Option<u64> = None;
+        for dir in [Direction::Read, Direction::Write] {
+            let Some(queue) = self.waiting.get_mut(lane(dir)) else {
+                continue;
+            };
+            while let Some(front) = queue.front().copied() {
+                let admission = match &self.limits {
+                    Some(limits) => limits.admit(dir, front.bytes, now),
+                    None => Admission::Go,
+                };
+                match admission {
+                    Admission::Go => {
+                        queue.pop_front();
+                        submit(front.slot, now.saturating_sub(front.since_ns));
+                    }
+                    Admission::Wait(ns) => {
+                        next = Some(next.map_or(ns, |n| n.min(ns)));
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(limits) = &self.limits {
+            limits.set_waiting(self.waiting() > 0, now);
+        }
+        if let Some(ns) = next {
+            self.arm(now.saturating_add(ns));
+        }
+    }
+
+    /// Lets every waiting request go now, limits or not (as QEMU does while a drain waits),
+    /// calling `submit(slot, waited_ns)` for each.
+    pub fn release_all(&mut self, mut submit: impl FnMut(u32, u64)) {
+        let now = monotonic_ns();
+        for queue in &mut self.waiting {
+            for w in queue.drain(..) {
+                submit(w.slot, now.saturating_sub(w.since_ns));
+            }
+        }
+        if let Some(limits) = &self.limits {
+            limits.set_waiting(false, 0);
+        }
+    }
+
+    /// Forgets every waiting request (their slots are being failed), calling `f(slot)`.
+    pub fn abandon(&mut self, mut f: impl FnMut(u32)) {
+        for queue in &mut self.waiting {
+            for w in queue.drain(..) {
+                f(w.slot);
+            }
+        }
+        if let Some(limits) = &self.limits {
+            limits.set_waiting(false, 0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(limits: v1::ThrottleLimits) -> v1::SetThrottle {
+        v1::SetThrottle {
+            limits: Some(limits),
+            group_state_path: String::new(),
+            member_index: 0,
+        }
+    }
+
+    #[test]
+    fn no_limits_means_no_throttle() {
+        assert!(DiskThrottle::from_request(&v1::SetThrottle::default())
+            .unwrap()
+            .is_none());
+        let mut t = Throttler::new(4).unwrap();
+        assert!(t.admit_or_queue(Direction::Read, 0, 1 << 20));
+        assert!(!t.is_active());
+    }
+
+    #[test]
+    fn invalid_limits_name_the_field() {
+        let e = DiskThrottle::from_request(&request(v1::ThrottleLimits {
+            iops_total: 100,
+            iops_total_max: 50,
+            ..Default::default()
+        }))
+        .unwrap_err();
+        assert!(e.to_string().starts_with("limits.iops_total_max: "), "{e}");
+        let e = DiskThrottle::from_request(&v1::SetThrottle {
+            limits: Some(v1::ThrottleLimits {
+                iops_total: 100,
+                ..Default::default()
+            }),
+            group_state_path: "/nonexistent/group.state".into(),
+            member_index: 0,
+        })
+        .unwrap_err();
+        assert!(e.to_string().starts_with("group_state_path: "), "{e}");
+    }
+
+    #[test]
+    fn requests_queue_in_order_and_go_when_the_bucket_has_room() {
+        let limits = DiskThrottle::from_request(&request(v1::ThrottleLimits {
+            iops_read: 100,
+            ..Default::default()
+        }))
+        .unwrap();
+        let mut t = Throttler::new(64).unwrap();
+        t.set(limits);
+        // QEMU's default burst: a tenth of a second (10 requests) and one more go at once.
+        let admitted = (0..20)
+            .filter(|&slot| t.admit_or_queue(Direction::Read, slot, 4096))
+            .count();
+        assert_eq!(admitted, 11);
+        assert_eq!(t.waiting(), 9);
+        // Writes are not limited here and do not wait behind reads.
+        assert!(t.admit_or_queue(Direction::Write, 30, 4096));
+        // Nothing is due yet; then one every 10 ms, in order, via the timer.
+        let mut released = Vec::new();
+        t.release(|slot, _| released.push(slot));
+        assert!(released.is_empty());
+        let mut fds = [libc::pollfd {
+            fd: t.timer_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        while released.len() < 3 {
+            // SAFETY: polls one descriptor of a local array.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) };
+            assert_eq!(n, 1, "the timer fires");
+            t.release(|slot, waited| {
+                assert!(waited > 0);
+                released.push(slot);
+            });
+        }
+        assert_eq!(&released[..3], &[11, 12, 13]);
+        // Limits removed: everything waiting goes at once.
+        t.set(None);
+        t.release(|slot, _| released.push(slot));
+        assert_eq!(t.waiting(), 0);
+        assert_eq!(released.last(), Some(&19));
+    }
+
+    #[test]
+    fn group_members_share_the_buckets_and_take_turns() {
+        let dir = std::env::temp_dir().join(format!("bp-throttle-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("g.state");
+        File::create(&path)
+            .unwrap()
+            .set_len(GROUP_STATE_LEN as u64)
+            .unwrap();
+        let member = |index| {
+            DiskThrottle::from_request(&v1::SetThrottle {
+                limits: Some(v1::ThrottleLimits {
+                    iops_total: 1000,
+                    ..Default::default()
+                }),
+                group_state_path: path.to_str().unwrap().into(),
+                member_index: index,
+            })
+            .unwrap()
+            .unwrap()
+        };
+        let (a, b) = (member(0), member(1));
+        let now = monotonic_ns();
+        // The burst (101 requests) is shared: what a takes, b does not get.
+        let went = (0..101)
+            .filter(|_| a.admit(Direction::Read, 4096, now) == Admission::Go)
+            .count();
+        assert_eq!(went, 101);
+        assert!(matches!(
+            b.admit(Direction::Write, 4096, now),
+            Admission::Wait(_)
+        ));
+        // Both waiting: the turn alternates once the bucket has room again.
+        let later = now + 1_000_000_000;
+        a.set_waiting(true, later);
+        b.set_waiting(true, later);
+        let first = if a.admit(Direction::Read, 4096, later) == Admission::Go {
+            (&a, &b)
+        } else {
+            assert_eq!(b.admit(Direction::Read, 4096, later), Admission::Go);
+            (&b, &a)
+        };
+        // The one that went passed the turn: it now waits for the other.
+        assert!(matches!(
+            first.0.admit(Direction::Read, 4096, later),
+            Admission::Wait(_)
+        ));
+        assert_eq!(first.1.admit(Direction::Read, 4096, later), Admission::Go);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(matches!(
+            DiskThrottle::from_request(&v1::SetThrottle {
+                limits: Some(v1::ThrottleLimits {
+                    iops_total: 1,
+                    ..Default::default()
+                }),
+                group_state_path: "/dev/null".into(),
+                member_index: 0,
+            }),
+            Err(ThrottleError::GroupFileSize { .. })
+        ));
+        assert!(matches!(
+            DiskThrottle::from_request(&v1::SetThrottle {
+                limits: Some(v1::ThrottleLimits {
+                    iops_total: 1,
+                    ..Default::default()
+                }),
+                group_state_path: "/dev/null".into(),
+                member_index: 64,
+            }),
+            Err(ThrottleError::MemberIndex(64))
+        ));
+    }
+}
