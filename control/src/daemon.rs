@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -195,6 +196,9 @@ pub struct Daemon {
     /// Serializes AddDisk and RemoveDisk: each checks the table, changes processes and
     /// persists the state, and must not interleave with another.
     ops: tokio::sync::Mutex<()>,
+    /// Set once every disk of the state loaded at start-up has been adopted or started (or
+    /// its first start has failed): see [`Daemon::startup_done`].
+    startup_done: AtomicBool,
     _locks: [DirLock; 2],
 }
 
@@ -240,6 +244,7 @@ impl Daemon {
             runtime_dir,
             disks: Mutex::new(BTreeMap::new()),
             ops: tokio::sync::Mutex::new(()),
+            startup_done: AtomicBool::new(false),
             _locks: locks,
         });
         daemon.sweep_orphans(&state).await;
@@ -261,6 +266,9 @@ impl Daemon {
             disks.insert(id, handle);
         }
         drop(disks);
+        // Latch the end of start-up as soon as it happens, not at the first /readyz: a disk
+        // that crashes later is `Starting` again, which is no start-up any more.
+        tokio::spawn(watch_startup(Arc::downgrade(&daemon)));
         Ok(daemon)
     }
 
@@ -277,6 +285,31 @@ impl Daemon {
     /// The event bus.
     pub fn events(&self) -> &EventBus {
         &self.events
+    }
+
+    /// Every disk of the table, ordered by id (for the metrics endpoint, which reads their
+    /// runtime state and asks their frontends itself).
+    pub fn disks(&self) -> Vec<Arc<DiskHandle>> {
+        lock(&self.disks).values().cloned().collect()
+    }
+
+    /// Whether start-up is over: every disk of the loaded state has been adopted or started,
+    /// or its first start has failed (it is then restarting or failed, as the API shows).
+    ///
+    /// Each such disk is `Starting` from the moment [`Daemon::open`] puts it in the table
+    /// until its first adoption or start is over, so "no disk is starting" means all of them
+    /// got that far; from then on this stays true (a later restart is not start-up).
+    pub fn startup_done(&self) -> bool {
+        if self.startup_done.load(Ordering::Acquire) {
+            return true;
+        }
+        let starting = lock(&self.disks)
+            .values()
+            .any(|d| d.runtime().state == DiskState::Starting);
+        if !starting {
+            self.startup_done.store(true, Ordering::Release);
+        }
+        !starting
     }
 
     /// Kills frontends and removes files of disk ids in the runtime directory that are not in
@@ -1412,6 +1445,17 @@ async fn watch_incoming(daemon: Weak<Daemon>, interval: Duration) {
                 warn!("disk {id}: takeover: {e}; trying again");
             }
         }
+    }
+}
+
+/// Latches [`Daemon::startup_done`] once it holds (checked every 20 ms, as `settle` does).
+async fn watch_startup(daemon: Weak<Daemon>) {
+    loop {
+        match daemon.upgrade() {
+            Some(d) if !d.startup_done() => {}
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

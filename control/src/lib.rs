@@ -20,6 +20,7 @@
 //! | [`migration`] | migration blockers (automatic and the operator's) |
 //! | [`throttle`] | I/O limits and throttle groups: member indices, group files, what a frontend is sent |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
+//! | [`metrics`] | the `--metrics-listen` HTTP endpoint: Prometheus metrics, `/healthz`, `/readyz` |
 //! | [`proc`] | pidfds and /proc |
 //! | [`ctl`] | blkplanectl's output formats and argument parsing helpers |
 
@@ -29,6 +30,7 @@ pub mod admin;
 pub mod ctl;
 pub mod daemon;
 pub mod events;
+pub mod metrics;
 pub mod migration;
 pub mod proc;
 pub mod server;

@@ -15,6 +15,10 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::server::{HealthReporter, HealthService};
+use tonic_health::ServingStatus;
 
 use crate::daemon::Daemon;
 use crate::pb;
@@ -164,17 +168,89 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
     Ok(listener)
 }
 
-/// Serves the API on `listen` until `shutdown` completes. A UNIX socket is removed afterwards.
+/// The statuses of the `grpc.health.v1.Health` service, shared between the gRPC server and
+/// the metrics endpoint's `/healthz` and `/readyz`, so that both tell the same story.
+///
+/// The overall status (service `""`) and `blkplane.v1.Control` are NOT_SERVING until
+/// [`serve`] runs the server, and NOT_SERVING again from the moment shutdown begins.
+#[derive(Debug, Clone)]
+pub struct ApiHealth {
+    reporter: HealthReporter,
+}
+
+impl ApiHealth {
+    /// Statuses that say "not serving" until [`serve`] starts.
+    pub async fn new() -> ApiHealth {
+        let health = ApiHealth {
+            // tonic-health starts the overall status as SERVING; it is not, yet.
+            reporter: HealthReporter::new(),
+        };
+        health.set(ServingStatus::NotServing).await;
+        health
+    }
+
+    /// Sets the overall status and the Control service's.
+    async fn set(&self, status: ServingStatus) {
+        self.reporter.set_service_status("", status).await;
+        self.reporter
+            .set_service_status(
+                <ControlServer<ControlService> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+    }
+
+    /// The gRPC service to serve these statuses with.
+    fn service(&self) -> HealthServer<HealthService> {
+        HealthServer::new(HealthService::from_health_reporter(self.reporter.clone()))
+    }
+
+    /// The status `grpc.health.v1.Health/Check` answers for `service` now; `None` if the
+    /// service is unknown. Asked through the health service itself, so that it is exactly
+    /// what a gRPC client (`blkplanectl health`) would be told.
+    pub async fn status(&self, service: &str) -> Option<ServingStatus> {
+        let request = tonic::Request::new(HealthCheckRequest {
+            service: service.to_string(),
+        });
+        let answer = HealthService::from_health_reporter(self.reporter.clone())
+            .check(request)
+            .await
+            .ok()?
+            .into_inner();
+        use tonic_health::pb::health_check_response::ServingStatus as Pb;
+        Some(match Pb::try_from(answer.status) {
+            Ok(Pb::Serving) => ServingStatus::Serving,
+            Ok(Pb::NotServing) => ServingStatus::NotServing,
+            _ => ServingStatus::Unknown,
+        })
+    }
+
+    /// Whether blkplaned serves its gRPC API: the overall status is SERVING.
+    pub async fn serving(&self) -> bool {
+        self.status("").await == Some(ServingStatus::Serving)
+    }
+}
+
+/// Serves the API on `listen` until `shutdown` completes, with `health` as the statuses of
+/// `grpc.health.v1.Health` (SERVING while the server runs). A UNIX socket is removed
+/// afterwards.
 pub async fn serve(
     daemon: Arc<Daemon>,
     listen: Listen,
     unix_listener: Option<UnixListener>,
+    health: ApiHealth,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServerError> {
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<ControlServer<ControlService>>()
-        .await;
+    let health_service = health.service();
+    // Not serving from the moment shutdown begins: probes see it during the grace period,
+    // while calls in progress still finish.
+    let shutdown = {
+        let health = health.clone();
+        async move {
+            shutdown.await;
+            health.set(ServingStatus::NotServing).await;
+        }
+    };
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -193,11 +269,13 @@ pub async fn serve(
             info!("serving the API on unix:{}", path.display());
             let (stop_tx, stop_rx) = watch::channel(false);
             let server = Server::builder()
-                .add_service(health)
+                .add_service(health_service)
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .add_service(control)
                 .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stopped(stop_rx));
+            // The socket is bound and the server is built: calls are answered from here on.
+            health.set(ServingStatus::Serving).await;
             let result = with_grace(server, shutdown, stop_tx).await;
             let _ = std::fs::remove_file(&path);
             result?;
@@ -216,11 +294,14 @@ pub async fn serve(
             let (stop_tx, stop_rx) = watch::channel(false);
             let server = Server::builder()
                 .tls_config(tls)?
-                .add_service(health)
+                .add_service(health_service)
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .add_service(control)
                 .serve_with_shutdown(addr, stopped(stop_rx));
+            // Set before the TCP socket is bound (serve_with_shutdown binds when first
+            // polled); a bind failure ends `serve`, and with it blkplaned.
+            health.set(ServingStatus::Serving).await;
             with_grace(server, shutdown, stop_tx).await?;
         }
     }
@@ -299,6 +380,22 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn health_is_not_serving_until_set() {
+        let health = ApiHealth::new().await;
+        assert_eq!(health.status("").await, Some(ServingStatus::NotServing));
+        assert!(!health.serving().await);
+        health.set(ServingStatus::Serving).await;
+        assert!(health.serving().await);
+        assert_eq!(
+            health.status("blkplane.v1.Control").await,
+            Some(ServingStatus::Serving)
+        );
+        assert_eq!(health.status("no.such.Service").await, None);
+        health.set(ServingStatus::NotServing).await;
+        assert!(!health.serving().await);
     }
 
     #[tokio::test]

@@ -514,6 +514,11 @@ migrate_phase() {
     rounds=0 rc=0 seen=0 asked=0
     cache_filler &
     filler=$!
+    # Keeps a few MiB of guest memory dirty at all times, so that the host's first pass
+    # (no downtime allowed) cannot finish before it lets it: a guest that happens to dirty
+    # nothing between two syncs would otherwise be switched over at once.
+    ( while :; do dd if=/dev/zero of=/dev/null bs=4M count=16 2>/dev/null; done ) &
+    dirtier=$!
     while [ $rounds -lt 60 ]; do
         rounds=$((rounds + 1))
         # cache.bin's ext4 is mounted on the disk's first 96 MiB; fio writes past it.
@@ -540,6 +545,8 @@ migrate_phase() {
         migrated && seen=1 && emit "BLKPLANE-INFO migrated marker seen after round $rounds"
     done
     e1=$(io_errors)
+    kill $dirtier 2>/dev/null
+    wait $dirtier 2>/dev/null
     wait $filler
     filled=$?
     # Served from the page cache: the device reads (almost) nothing for it.

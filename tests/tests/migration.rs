@@ -307,9 +307,12 @@ impl Host<'_> {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        // First a slow pass that cannot converge (1 ms of downtime), so the guest's reads
-        // land in pages the migration has already copied; then, once the guest has filled its
-        // page cache (cache_filler in init.sh), enough bandwidth and downtime to finish.
+        // First a slow pass that cannot converge — 1 ms of downtime at 32 MiB/s is 32 KiB,
+        // and the guest keeps megabytes dirty (init.sh's dirtier; 0 ms would not do: QEMU
+        // switches over whenever its estimate of what is left is 0, at the end of a pass,
+        // without looking at the downtime) — so the guest's reads land in pages the
+        // migration has already copied; then, once the guest has filled its page cache
+        // (cache_filler in init.sh), enough bandwidth and downtime to finish.
         src.qmp.execute(
             "migrate-set-parameters",
             r#"{"max-bandwidth": 33554432, "downtime-limit": 1}"#,
@@ -335,13 +338,28 @@ impl Host<'_> {
             std::thread::sleep(Duration::from_millis(100));
         }
         self.write_marker(FREEZE_OFFSET, "BLKPLANE-FREEZE")?;
+        let mut early = None;
         let filled = wait_for(MIGRATION_TIMEOUT, || {
-            read_lossy(&src.results)
+            let line = read_lossy(&src.results)
                 .lines()
                 .find(|l| l.contains("BLKPLANE-INFO cache-filled"))
-                .map(str::to_string)
+                .map(str::to_string);
+            if line.is_none() {
+                // The switch-over must not come first: the check would prove nothing.
+                let status = src.qmp.execute("query-migrate", "{}").ok()?;
+                if status.field("status").and_then(Json::as_str) != Some("active") {
+                    early = Some(status);
+                    return Some(String::new());
+                }
+            }
+            line
         })
         .ok_or("the guest never said cache-filled")?;
+        if let Some(status) = early {
+            return Err(format!(
+                "the migration ended before the guest filled its page cache: {status:?}"
+            ));
+        }
         let before_finish = src.qmp.execute("query-migrate", "{}")?;
         src.qmp.execute(
             "migrate-set-parameters",

@@ -1,7 +1,8 @@
 //! `blkplanectl`: the command-line client of blkplaned. See `blkplanectl --help`.
 //!
 //! Exit status: 0 on success, 1 when blkplaned refused the call or could not be reached (the
-//! message, with the gRPC status code, goes to stderr), 2 for a command-line error.
+//! message, with the gRPC status code, goes to stderr), 2 for a command-line error. `health`
+//! exits 1 also when blkplaned answers with any status but SERVING.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -19,6 +20,9 @@ use blkplane_control::pb::{
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 /// Where blkplanectl looks for blkplaned without --socket and BLKPLANE_SOCKET: the control
 /// socket of a blkplaned started with its embedded default in the same directory.
@@ -67,6 +71,15 @@ enum Cmd {
     Events {
         /// Only this disk's events.
         id: Option<String>,
+    },
+    /// Ask blkplaned's grpc.health.v1.Health/Check and print the status (SERVING,
+    /// NOT_SERVING, ...). Exit status 0 if SERVING, else 1: a Kubernetes exec liveness or
+    /// readiness probe.
+    Health {
+        /// The service to ask about: "" (the default) is blkplaned as a whole;
+        /// blkplane.v1.Control is its API.
+        #[arg(long, default_value = "", value_name = "NAME")]
+        service: String,
     },
     /// Print a shell completion script.
     Completions {
@@ -273,7 +286,11 @@ fn socket_path(arg: Option<PathBuf>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET))
 }
 
-async fn connect(socket: &Path) -> Result<ControlClient<Channel>, Failure> {
+/// How long `health` waits for blkplaned's answer (a probe must not hang on a hung daemon;
+/// Kubernetes bounds it too, but a person running it by hand has no such bound).
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn connect(socket: &Path) -> Result<Channel, Failure> {
     let unreachable = |e: &dyn std::fmt::Display| {
         Failure(format!(
             "cannot reach blkplaned at {}: {e} (is it running? --socket or BLKPLANE_SOCKET \
@@ -287,8 +304,37 @@ async fn connect(socket: &Path) -> Result<ControlClient<Channel>, Failure> {
     let endpoint = Endpoint::from_shared(format!("unix:{}", socket.display()))
         .map_err(|e| unreachable(&e))?
         .connect_timeout(Duration::from_secs(5));
-    let channel = endpoint.connect().await.map_err(|e| unreachable(&e))?;
-    Ok(ControlClient::new(channel))
+    endpoint.connect().await.map_err(|e| unreachable(&e))
+}
+
+/// `blkplanectl health`: prints the status of `service`; SERVING is success, anything else
+/// a failure (exit status 1).
+async fn health(channel: Channel, service: String, format: Format) -> Result<(), Failure> {
+    let mut client = HealthClient::new(channel);
+    let call = client.check(HealthCheckRequest {
+        service: service.clone(),
+    });
+    let answer = tokio::time::timeout(HEALTH_TIMEOUT, call)
+        .await
+        .map_err(|_| {
+            Failure(format!(
+                "DEADLINE_EXCEEDED: blkplaned did not answer the health check within \
+                 {HEALTH_TIMEOUT:?}"
+            ))
+        })??
+        .into_inner();
+    let status = ServingStatus::try_from(answer.status)
+        .map(|s| s.as_str_name())
+        .unwrap_or("UNKNOWN");
+    match format {
+        Format::Json => print_json(&json!({ "service": service, "status": status })),
+        Format::Table => println!("{status}"),
+    }
+    if answer.status == ServingStatus::Serving as i32 {
+        Ok(())
+    } else {
+        Err(Failure(format!("service {service:?} is {status}")))
+    }
 }
 
 /// Makes a path absolute against this process's working directory: blkplaned resolves paths
@@ -330,7 +376,11 @@ fn print_json_line(v: &Value) -> bool {
 
 async fn run(args: Args) -> Result<(), Failure> {
     let format = args.output;
-    let mut client = connect(&socket_path(args.socket)).await?;
+    let channel = connect(&socket_path(args.socket)).await?;
+    if let Cmd::Health { service } = args.command {
+        return health(channel, service, format).await;
+    }
+    let mut client = ControlClient::new(channel);
     match args.command {
         Cmd::Disk(DiskCmd::Add(a)) => {
             let req = AddDiskRequest {
@@ -570,7 +620,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 }
             }
         }
-        Cmd::Completions { .. } => {}
+        Cmd::Completions { .. } | Cmd::Health { .. } => {}
     }
     Ok(())
 }

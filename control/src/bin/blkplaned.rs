@@ -6,14 +6,16 @@
 //! under the working directory (`blkplane-state`, `blkplane-run`), and on the first run one
 //! sparse 1 GiB disk `disk0`. It prints how to attach its disks to QEMU and how to look at them.
 
+use std::net::SocketAddr;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use blkplane_control::daemon::{Config, Daemon};
+use blkplane_control::metrics;
 use blkplane_control::pb::{AddDiskRequest, Disk};
-use blkplane_control::server::{self, Listen};
+use blkplane_control::server::{self, ApiHealth, Listen};
 use blkplane_control::state::StateStore;
 use blkplane_control::supervisor::RestartPolicy;
 use clap::Parser;
@@ -79,6 +81,11 @@ struct Args {
     /// How often frontends are polled for VMM connects and disconnects, in milliseconds.
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..))]
     poll_interval_ms: u64,
+    /// Serve Prometheus metrics (GET /metrics), liveness (GET /healthz) and readiness
+    /// (GET /readyz) over plain HTTP on this address, e.g. 0.0.0.0:9090 (port 0: any free
+    /// port, logged at start). Off by default.
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 fn main() -> ExitCode {
@@ -154,6 +161,12 @@ async fn run(args: Args) -> Result<(), String> {
         Listen::Unix(path) => Some(server::bind_unix(path).map_err(|e| e.to_string())?),
         Listen::Tcp { .. } => None,
     };
+    // The metrics port too: one in use stops blkplaned here, before any disk is touched.
+    let metrics_listener = match args.metrics_listen {
+        Some(addr) => Some(metrics::bind(addr).await.map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let health = ApiHealth::new().await;
 
     let first_run = !StateStore::new(&state_dir).exists();
     let daemon = Daemon::open(Config {
@@ -191,6 +204,15 @@ async fn run(args: Args) -> Result<(), String> {
             .map_err(|e| format!("adding the default disk: {e}"))?;
     }
 
+    if let Some(listener) = metrics_listener {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| format!("--metrics-listen: the bound address: {e}"))?;
+        tokio::spawn(metrics::serve(listener, daemon.clone(), health.clone()));
+        // Tests and operators that asked for port 0 read the port from this line.
+        info!("metrics on http://{addr} (/metrics, /healthz, /readyz)");
+    }
+
     let api = match &listen {
         Listen::Unix(p) => format!("unix:{}", p.display()),
         Listen::Tcp { addr, .. } => format!("tcp:{addr}"),
@@ -218,7 +240,7 @@ async fn run(args: Args) -> Result<(), String> {
         }
         info!("stopping; the disks keep serving and the next blkplaned adopts them");
     };
-    server::serve(daemon, listen, unix_listener, shutdown)
+    server::serve(daemon, listen, unix_listener, health, shutdown)
         .await
         .map_err(|e| e.to_string())
 }
