@@ -7,6 +7,7 @@
 //! tests run the real `blkplane-frontend`, built by the e2e harness (`blkplane_tests`). The
 //! TLS test makes its certificates with the `openssl` command.
 
+use blkplane_tests::TempDir;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,24 +20,6 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-
-/// A scratch directory removed on drop.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let p = std::env::temp_dir().join(format!("bpapi-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// blkplaned, killed on drop.
 struct Daemon(Child);
@@ -95,9 +78,9 @@ async fn unix_channel(socket: &Path) -> Channel {
 
 #[tokio::test]
 async fn health_and_reflection() {
-    let dir = Dir::new("refl");
-    let _d = start(&dir.0, &[]);
-    let channel = unix_channel(&dir.0.join("run/control.sock")).await;
+    let dir = TempDir::new("refl");
+    let _d = start(dir.path(), &[]);
+    let channel = unix_channel(&dir.path().join("run/control.sock")).await;
 
     let mut health = HealthClient::new(channel.clone());
     for service in ["", "blkplane.v1.Control"] {
@@ -286,8 +269,8 @@ fn make_certs(dir: &Path, ca: &str, name: &str, san: &str) {
 
 #[tokio::test]
 async fn tcp_needs_tls_and_a_client_certificate() {
-    let dir = Dir::new("tls");
-    let d = &dir.0;
+    let dir = TempDir::new("tls");
+    let d = dir.path();
     make_certs(d, "server-ca", "server", "DNS:localhost,IP:127.0.0.1");
     make_certs(d, "client-ca", "client", "DNS:blkplanectl");
     make_certs(d, "other-ca", "stranger", "DNS:stranger");
@@ -406,14 +389,14 @@ struct Node {
     client: ControlClient<Channel>,
     daemon: Option<Daemon>,
     frontends: KillFrontends,
-    dir: Dir,
+    dir: TempDir,
 }
 
 impl Node {
     async fn start(tag: &str) -> Node {
-        let dir = Dir::new(tag);
-        let frontends = KillFrontends(dir.0.join("run/disks"));
-        let (daemon, client) = Self::launch(&dir.0).await;
+        let dir = TempDir::new(tag);
+        let frontends = KillFrontends(dir.path().join("run/disks"));
+        let (daemon, client) = Self::launch(dir.path()).await;
         Node {
             client,
             daemon: Some(daemon),
@@ -434,17 +417,17 @@ impl Node {
     /// same directories.
     async fn restart(&mut self) {
         drop(self.daemon.take());
-        let (daemon, client) = Self::launch(&self.dir.0).await;
+        let (daemon, client) = Self::launch(self.dir.path()).await;
         self.daemon = Some(daemon);
         self.client = client;
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        self.dir.0.join(name)
+        self.dir.path().join(name)
     }
 
     fn disks_dir(&self) -> PathBuf {
-        self.dir.0.join("run/disks")
+        self.dir.path().join("run/disks")
     }
 
     async fn add(&mut self, req: AddDiskRequest) -> Result<Disk, Status> {
@@ -956,7 +939,7 @@ fn iops(n: u64) -> ThrottleLimits {
 
 impl Node {
     fn throttle_dir(&self) -> PathBuf {
-        self.dir.0.join("run/throttle")
+        self.dir.path().join("run/throttle")
     }
 
     async fn set_throttle(
@@ -1412,13 +1395,13 @@ impl Node {
 /// `/bin/true`, which never serves: none of this needs a running frontend.)
 #[tokio::test]
 async fn throttle_group_limits_and_startup_files() {
-    let dir = Dir::new("thrfull");
+    let dir = TempDir::new("thrfull");
     let mut disks = Vec::new();
     let disk = |id: &str, throttle: serde_json::Value| {
         serde_json::json!({
             "id": id, "image": format!("/nonexistent/{id}.img"), "num_queues": 1,
             "queue_size": 256, "block_size": 512, "iothreads": 1, "cache": "direct",
-            "vhost_socket": dir.0.join(format!("run/disks/{id}.sock")),
+            "vhost_socket": dir.path().join(format!("run/disks/{id}.sock")),
             "throttle": throttle,
         })
     };
@@ -1434,15 +1417,15 @@ async fn throttle_group_limits_and_startup_files() {
         "solo",
         serde_json::json!({"limits": {"bps_total": 5}, "group": "lonely"}),
     ));
-    std::fs::create_dir_all(dir.0.join("state")).unwrap();
+    std::fs::create_dir_all(dir.path().join("state")).unwrap();
     std::fs::write(
-        dir.0.join("state/state.json"),
+        dir.path().join("state/state.json"),
         serde_json::to_vec_pretty(&serde_json::json!({"version": 1, "disks": disks})).unwrap(),
     )
     .unwrap();
     // full.state exists (with a frontend's bytes in it), lonely.state is missing, gone.state
     // belongs to no group.
-    let tdir = dir.0.join("run/throttle");
+    let tdir = dir.path().join("run/throttle");
     std::fs::create_dir_all(&tdir).unwrap();
     let mut full = vec![0u8; GROUP_STATE_LEN];
     full[8] = 0x77;
@@ -1450,8 +1433,11 @@ async fn throttle_group_limits_and_startup_files() {
     std::fs::write(tdir.join("gone.state"), vec![0u8; GROUP_STATE_LEN]).unwrap();
 
     // Failed at the first exit: 65 frontends in a restart loop would only slow the test.
-    let _d = start(&dir.0, &["--poll-interval-ms", "100", "--restart-max", "1"]);
-    let mut client = ControlClient::new(unix_channel(&dir.0.join("run/control.sock")).await);
+    let _d = start(
+        dir.path(),
+        &["--poll-interval-ms", "100", "--restart-max", "1"],
+    );
+    let mut client = ControlClient::new(unix_channel(&dir.path().join("run/control.sock")).await);
     assert_eq!(file_names(&tdir), ["full.state", "lonely.state"]);
     assert_eq!(std::fs::read(tdir.join("full.state")).unwrap(), full);
     assert_fresh_group_file(&tdir.join("lonely.state"));
@@ -1461,14 +1447,14 @@ async fn throttle_group_limits_and_startup_files() {
         limits: Some(limits),
         group: group.into(),
     };
-    let state_before = std::fs::read(dir.0.join("state/state.json")).unwrap();
+    let state_before = std::fs::read(dir.path().join("state/state.json")).unwrap();
     let r = client
         .set_throttle(set("extra", iops(10), "full"))
         .await
         .map(|r| r.into_inner());
     assert_refused("a 65th member", r, Code::ResourceExhausted, "group");
     assert_eq!(
-        std::fs::read(dir.0.join("state/state.json")).unwrap(),
+        std::fs::read(dir.path().join("state/state.json")).unwrap(),
         state_before
     );
     let get = |id: &str| GetThrottleRequest { id: id.into() };

@@ -5,6 +5,7 @@
 //! of the state are still starting), 404 and 405, bounded requests, a port in use; and
 //! `blkplanectl health` against a running and a stopped blkplaned.
 
+use blkplane_tests::TempDir;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -20,24 +21,6 @@ use tonic::transport::{Channel, Endpoint};
 /// Bound of every wait.
 const TIMEOUT: Duration = Duration::from_secs(20);
 const MIB: u64 = 1 << 20;
-
-/// A scratch directory, removed on drop.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let p = std::env::temp_dir().join(format!("bpmet-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Kills, on drop, every frontend serving disks of one runtime directory (they outlive
 /// blkplaned by design).
@@ -505,12 +488,12 @@ fn scrape_until(addr: SocketAddr, what: &str, pred: impl Fn(&Exposition) -> bool
 #[tokio::test]
 async fn metrics_of_two_disks_and_health() {
     let t0 = Instant::now();
-    let dir = Dir::new("two");
-    let _frontends = KillFrontends(dir.0.join("run/disks"));
+    let dir = TempDir::new("two");
+    let _frontends = KillFrontends(dir.path().join("run/disks"));
     let frontend = &blkplane_tests::binaries().frontend;
-    let mut daemon = Daemon::start(&dir.0, frontend, &["--metrics-listen", "127.0.0.1:0"]);
+    let mut daemon = Daemon::start(dir.path(), frontend, &["--metrics-listen", "127.0.0.1:0"]);
     let addr = daemon.metrics_addr();
-    let socket = dir.0.join("run/control.sock");
+    let socket = dir.path().join("run/control.sock");
     let mut api = client(&socket).await;
 
     // Liveness and readiness; anything else is 404 (405 for a known path with another method).
@@ -568,8 +551,8 @@ async fn metrics_of_two_disks_and_health() {
         Some("gauge")
     );
 
-    let img_a = blkplane_tests::create_image(&dir.0.join("a.img"), 8 * MIB);
-    let img_b = blkplane_tests::create_image(&dir.0.join("b.img"), 16 * MIB);
+    let img_a = blkplane_tests::create_image(&dir.path().join("a.img"), 8 * MIB);
+    let img_b = blkplane_tests::create_image(&dir.path().join("b.img"), 16 * MIB);
     let a = api
         .add_disk(AddDiskRequest {
             id: "a".into(),
@@ -755,15 +738,15 @@ async fn metrics_of_two_disks_and_health() {
 /// blkplaned at start with a message naming the flag.
 #[tokio::test]
 async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
-    let dir = Dir::new("ready");
-    let disks_dir = dir.0.join("run/disks");
+    let dir = TempDir::new("ready");
+    let disks_dir = dir.path().join("run/disks");
     let _frontends = KillFrontends(disks_dir.clone());
     // A disk in the state, added with the real frontend; then blkplaned and it are killed.
     {
         let frontend = &blkplane_tests::binaries().frontend;
-        let mut daemon = Daemon::start(&dir.0, frontend, &[]);
-        let mut api = client(&dir.0.join("run/control.sock")).await;
-        let img = blkplane_tests::create_image(&dir.0.join("a.img"), 8 * MIB);
+        let mut daemon = Daemon::start(dir.path(), frontend, &[]);
+        let mut api = client(&dir.path().join("run/control.sock")).await;
+        let img = blkplane_tests::create_image(&dir.path().join("a.img"), 8 * MIB);
         api.add_disk(AddDiskRequest {
             id: "a".into(),
             image: img.to_str().unwrap().into(),
@@ -777,11 +760,11 @@ async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
     }
     // A "frontend" that never serves: the start-up start of disk a takes --start-timeout. The
     // shell stays (no exec), so its command line names the disk and the cleanup finds it.
-    let hang = dir.0.join("hang.sh");
+    let hang = dir.path().join("hang.sh");
     std::fs::write(&hang, "#!/bin/sh\nwhile :; do sleep 1; done\n").unwrap();
     std::fs::set_permissions(&hang, std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut daemon = Daemon::start(
-        &dir.0,
+        dir.path(),
         &hang,
         &["--metrics-listen", "127.0.0.1:0", "--start-timeout", "5"],
     );
@@ -829,9 +812,9 @@ async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
     let port = addr.to_string();
     let out = Command::new(env!("CARGO_BIN_EXE_blkplaned"))
         .arg("--state-dir")
-        .arg(dir.0.join("state2"))
+        .arg(dir.path().join("state2"))
         .arg("--runtime-dir")
-        .arg(dir.0.join("run2"))
+        .arg(dir.path().join("run2"))
         .arg("--frontend-binary")
         .arg("/bin/true")
         .args(["--metrics-listen", &port])

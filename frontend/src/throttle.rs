@@ -177,8 +177,10 @@ impl DiskThrottle {
             let file = Arc::new(GroupFile::open(&request.group_state_path)?);
             (Buckets::Group(Arc::clone(&file)), Some((file, index)))
         };
-        let mut throttle = Throttle::new(limits, buckets)?;
-        throttle.set_limits(limits)?;
+        let throttle = Throttle::new(limits, buckets)?;
+        // Setting limits empties the buckets, as QEMU's throttle_config does (a group's file
+        // may hold levels of the limits before).
+        throttle.clear();
         Ok(Some(Arc::new(Self { throttle, group })))
     }
 

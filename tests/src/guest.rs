@@ -33,6 +33,36 @@ pub fn qemu_binary() -> (PathBuf, String) {
     (qemu_bin, version)
 }
 
+/// The QEMU command line both guest tests share: q35 with 512 MiB of memfd guest memory
+/// shared with the vhost-user back-ends (`share=on`), single-threaded TCG with 2 vCPUs (a QEMU
+/// 10.0 multi-threaded TCG race in its memory map once aborted QEMU during PCI enumeration),
+/// the guest kernel and initramfs with `append`, the console on the first serial port and
+/// the results on the second, both into files. The caller adds the disks.
+pub fn qemu_command(
+    qemu_bin: &Path,
+    guest: &GuestImage,
+    append: &str,
+    console: &Path,
+    results: &Path,
+) -> Command {
+    let mut cmd = Command::new(qemu_bin);
+    cmd.args(["-no-user-config", "-nodefaults", "-nographic"])
+        .args(["-machine", "q35,memory-backend=mem"])
+        .args(["-accel", "tcg,thread=single"])
+        .args(["-cpu", "max", "-smp", "2", "-m", "512"])
+        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+        .arg("-kernel")
+        .arg(&guest.kernel)
+        .arg("-initrd")
+        .arg(&guest.initrd)
+        .args(["-append", append])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("-serial")
+        .arg(format!("file:{}", results.display()));
+    cmd
+}
+
 /// What to do when QEMU or the guest build is missing.
 pub const SETUP_HINT: &str = "run tests/setup.sh as root (it installs qemu-system-x86 from \
                           bookworm-backports and sets up the apt sources the guest is built from)";

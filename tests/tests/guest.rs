@@ -344,23 +344,7 @@ fn linux_guest_on_blkplane_disks() {
          bp.queues={QUEUES} bp.lbs=512 bp.ro_size={RO_SIZE} bp.ro_serial={RO_SERIAL} \
          bp.ro_sha256={ro_sha}"
     );
-    let mut cmd = Command::new(&qemu_bin);
-    cmd.args(["-no-user-config", "-nodefaults", "-nographic"])
-        .args(["-machine", "q35,memory-backend=mem"])
-        // Single-threaded TCG: multi-threaded TCG hit a QEMU 10.0 race in its memory map
-        // (iotlb_to_section assertion) during PCI enumeration with 2 vCPUs.
-        .args(["-accel", "tcg,thread=single"])
-        .args(["-cpu", "max", "-smp", "2", "-m", "512"])
-        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
-        .arg("-kernel")
-        .arg(&guest.kernel)
-        .arg("-initrd")
-        .arg(&guest.initrd)
-        .args(["-append", &append])
-        .arg("-serial")
-        .arg(format!("file:{}", console.display()))
-        .arg("-serial")
-        .arg(format!("file:{}", results.display()));
+    let mut cmd = qemu_command(&qemu_bin, &guest, &append, &console, &results);
     // The read-write disk keeps QEMU's default ring size (128, smaller than the frontend's
     // --queue-size 256), as in the README's example; the read-only one uses 256.
     // QEMU reconnects to the read-write disk's socket when its frontend is killed and

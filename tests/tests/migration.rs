@@ -26,7 +26,7 @@ use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{Seek, SeekFrom, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use blkplane_tests::daemon::{blocker_reasons, Daemon, Json};
@@ -88,23 +88,14 @@ impl Machine {
         let results = self.dir.join(format!("{tag}-results.log"));
         let output = self.dir.join(format!("{tag}-qemu.log"));
         let qmp = self.dir.join(format!("{tag}.qmp"));
-        let mut cmd = Command::new(&self.qemu_bin);
-        cmd.args(["-no-user-config", "-nodefaults", "-nographic"])
-            .args(["-machine", "q35,memory-backend=mem"])
-            // Single-threaded TCG, as in the guest test (a QEMU 10.0 MTTCG race).
-            .args(["-accel", "tcg,thread=single"])
-            .args(["-cpu", "max", "-smp", "2", "-m", "512"])
-            .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
-            .arg("-kernel")
-            .arg(&self.guest.kernel)
-            .arg("-initrd")
-            .arg(&self.guest.initrd)
-            .args(["-append", &self.append])
-            .arg("-serial")
-            .arg(format!("file:{}", console.display()))
-            .arg("-serial")
-            .arg(format!("file:{}", results.display()))
-            .arg("-qmp")
+        let mut cmd = qemu_command(
+            &self.qemu_bin,
+            &self.guest,
+            &self.append,
+            &console,
+            &results,
+        );
+        cmd.arg("-qmp")
             .arg(format!("unix:{},server=on,wait=off", qmp.display()))
             .arg("-chardev")
             .arg(format!("socket,id=disk,path={}", socket.display()))
