@@ -5,6 +5,8 @@
 //! Each call uses its own short connection and is bounded by a timeout, so that a hung
 //! frontend never hangs a gRPC call or the supervisor.
 
+use std::fs::File;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::Duration;
 
@@ -15,6 +17,7 @@ use blkplane_proto::v1::{
 };
 use prost::Message;
 use thiserror::Error;
+use tokio::io::Interest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -58,6 +61,14 @@ pub enum AdminError {
     /// The frontend refused the request; its reason.
     #[error("{0}")]
     Refused(String),
+    /// A throttle group's state file could not be opened to be sent.
+    #[error("throttle group file {path}: {source}")]
+    GroupFile {
+        /// The file.
+        path: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// The answer does not match the request.
     #[error("unexpected admin answer: {0}")]
     Unexpected(String),
@@ -68,6 +79,16 @@ pub enum AdminError {
 pub async fn call(
     socket: &Path,
     request: frontend_request::Request,
+    timeout: Duration,
+) -> Result<frontend_response::Response, AdminError> {
+    call_with_file(socket, request, None, timeout).await
+}
+
+/// Like [`call`], with `attached` sent along with the request (SCM_RIGHTS).
+pub async fn call_with_file(
+    socket: &Path,
+    request: frontend_request::Request,
+    attached: Option<&File>,
     timeout: Duration,
 ) -> Result<frontend_response::Response, AdminError> {
     let work = async {
@@ -86,7 +107,7 @@ pub async fn call(
         // Our own requests are tiny; the cast cannot truncate.
         frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
         frame.extend_from_slice(&body);
-        stream.write_all(&frame).await?;
+        send_frame(&mut stream, &frame, attached).await?;
         let mut len = [0u8; 4];
         stream.read_exact(&mut len).await?;
         let len = u32::from_le_bytes(len) as usize;
@@ -105,6 +126,32 @@ pub async fn call(
     tokio::time::timeout(timeout, work)
         .await
         .map_err(|_| AdminError::Timeout(timeout))?
+}
+
+/// Writes `frame`, with `attached` travelling with its first byte.
+async fn send_frame(
+    stream: &mut UnixStream,
+    frame: &[u8],
+    attached: Option<&File>,
+) -> Result<(), AdminError> {
+    let Some(file) = attached else {
+        stream.write_all(frame).await?;
+        return Ok(());
+    };
+    let sent = loop {
+        stream.writable().await?;
+        match stream.try_io(Interest::WRITABLE, || {
+            blkplane_proto::control::send_with_fd(stream.as_fd(), frame, file.as_fd())
+        }) {
+            Ok(sent) => break sent,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    stream
+        .write_all(frame.get(sent..).unwrap_or_default())
+        .await?;
+    Ok(())
 }
 
 /// Asks for the device status.
@@ -201,9 +248,25 @@ pub async fn set_migration_blockers(socket: &Path, reasons: Vec<String>) -> Resu
 
 /// Replaces the frontend's I/O limits, throttle group file and member index.
 pub async fn set_throttle(socket: &Path, request: SetThrottle) -> Result<(), AdminError> {
-    match call(
+    // The frontend opens no file once it serves: blkplaned opens the group's and sends it.
+    let group_file = if request.group_state_path.is_empty() {
+        None
+    } else {
+        let path = &request.group_state_path;
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| AdminError::GroupFile {
+                path: path.clone(),
+                source,
+            })?;
+        Some(file)
+    };
+    match call_with_file(
         socket,
         frontend_request::Request::SetThrottle(request),
+        group_file.as_ref(),
         THROTTLE_TIMEOUT,
     )
     .await?
@@ -311,20 +374,30 @@ mod tests {
                 panic!("not a SetThrottle")
             };
             assert_eq!(t.limits.unwrap().iops_total, 100);
-            assert_eq!((t.group_state_path.as_str(), t.member_index), ("/g", 2));
+            assert!(t.group_state_path.ends_with(".state"));
+            assert_eq!(t.member_index, 2);
             framed(frontend_response::Response::ThrottleSet(ThrottleSet {}))
         }));
-        let request = SetThrottle {
+        // The group's file is opened and sent along (tests/tests/throttle.rs shows a frontend
+        // using it); a missing one fails before anything is sent.
+        let group = socket_path("throttle-group").with_extension("state");
+        File::create(&group).unwrap();
+        let request = |path: &Path| SetThrottle {
             limits: Some(ThrottleLimits {
                 iops_total: 100,
                 ..Default::default()
             }),
-            group_state_path: "/g".into(),
+            group_state_path: path.to_string_lossy().into_owned(),
             member_index: 2,
         };
-        set_throttle(&path, request).await.unwrap();
+        assert!(matches!(
+            set_throttle(&path, request(Path::new("/nonexistent/g.state"))).await,
+            Err(AdminError::GroupFile { .. })
+        ));
+        set_throttle(&path, request(&group)).await.unwrap();
         server.await.unwrap();
         let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(&group);
     }
 
     #[tokio::test]

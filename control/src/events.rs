@@ -112,6 +112,7 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::BlockerRemoved => "blocker_removed",
         EventKind::Migrated => "migrated",
         EventKind::BothServing => "both_serving",
+        EventKind::IothreadRestarted => "iothread_restarted",
     }
 }
 

@@ -71,9 +71,31 @@ impl std::fmt::Display for ExitStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ExitStatus::Code(c) => write!(f, "exited with status {c}"),
-            ExitStatus::Signal(s) => write!(f, "killed by signal {s}"),
+            ExitStatus::Signal(libc::SIGSYS) => write!(
+                f,
+                "killed by signal {} (SIGSYS: a system call its seccomp filter forbids; the \
+                 kernel's audit log names it)",
+                libc::SIGSYS
+            ),
+            ExitStatus::Signal(s) => match signal_name(*s) {
+                Some(name) => write!(f, "killed by signal {s} ({name})"),
+                None => write!(f, "killed by signal {s}"),
+            },
         }
     }
+}
+
+/// The name of the signals a supervised process usually dies of.
+fn signal_name(signal: i32) -> Option<&'static str> {
+    Some(match signal {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGILL => "SIGILL",
+        _ => return None,
+    })
 }
 
 /// Reaps our child `pid` if it has exited. Returns `None` while it runs, and for processes

@@ -924,17 +924,36 @@ impl DiskHandle {
     /// read), and emits `connected` / `disconnected` when the VMM came or went since the last
     /// one. Ignored unless the frontend that answered is the one being supervised and running.
     pub fn record_status(&self, status: &FrontendStatus) {
-        let change = {
+        let (change, iothread_restarted) = {
             let mut rt = lock(&self.runtime);
             if rt.pid != status.pid || !serving(rt.state) {
                 return;
             }
             let was = rt.status.as_ref().is_some_and(|s| s.vmm_connected);
+            // Replacements since the last status of this same process (a new frontend counts
+            // from zero, and its start has events of its own).
+            let replaced = rt.status.as_ref().is_some_and(|s| {
+                s.pid == status.pid && status.iothread_restarts > s.iothread_restarts
+            });
             rt.state = state_of(Some(status));
             rt.reason.clear();
             rt.status = Some(status.clone());
-            (was != status.vmm_connected).then_some(rt.pid)
+            (
+                (was != status.vmm_connected).then_some(rt.pid),
+                replaced.then(|| status.last_iothread_exit.clone()),
+            )
         };
+        if let Some(how) = iothread_restarted {
+            self.events.emit(
+                EventKind::IothreadRestarted,
+                &self.spec.id,
+                status.pid,
+                format!(
+                    "replaced ({} replacement(s) so far); the old one: {how}",
+                    status.iothread_restarts
+                ),
+            );
+        }
         if let Some(pid) = change {
             let kind = if status.vmm_connected {
                 EventKind::Connected

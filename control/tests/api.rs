@@ -267,6 +267,15 @@ fn make_certs(dir: &Path, ca: &str, name: &str, san: &str) {
     );
 }
 
+/// Connects through `endpoint` and lists the disks.
+async fn list_disks_through(endpoint: Endpoint) -> Result<(), Box<dyn std::error::Error>> {
+    let channel = endpoint.connect().await?;
+    ControlClient::new(channel)
+        .list_disks(ListDisksRequest {})
+        .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn tcp_needs_tls_and_a_client_certificate() {
     let dir = TempDir::new("tls");
@@ -326,17 +335,15 @@ async fn tcp_needs_tls_and_a_client_certificate() {
             Some(("stranger.pem", "stranger.key")),
         ),
     ] {
-        let result = async {
-            let channel = endpoint(identity).connect().await?;
-            ControlClient::new(channel)
-                .list_disks(ListDisksRequest {})
-                .await
-                .map_err(|e| Box::new(e) as Box<dyn std::error::Error>)?;
-            Ok::<_, Box<dyn std::error::Error>>(())
-        }
-        .await;
-        assert!(result.is_err(), "served with {what}");
+        let served = list_disks_through(endpoint(identity)).await;
+        assert!(served.is_err(), "served with {what}");
     }
+    // Plain-text gRPC (no TLS at all): refused too.
+    let plain = Endpoint::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
+    assert!(
+        list_disks_through(plain).await.is_err(),
+        "served a plain-text client"
+    );
     // No UNIX socket was created: TCP replaces it.
     assert!(!d.join("run/control.sock").exists());
 }
@@ -361,7 +368,8 @@ const MIB: u64 = 1 << 20;
 struct KillFrontends(PathBuf);
 
 impl KillFrontends {
-    /// The frontends serving disks of `disks_dir` (by their admin socket), sorted.
+    /// The frontends serving disks of `disks_dir` (by their admin socket; not their
+    /// iothread spawners, which share their command line), sorted.
     fn pids(&self) -> Vec<u32> {
         blkplane_control::proc::find_processes_with_arg_prefix(&format!(
             "--admin-socket={}/",
@@ -369,6 +377,10 @@ impl KillFrontends {
         ))
         .into_iter()
         .filter(|&pid| blkplane_control::proc::alive(pid))
+        .filter(|&pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.trim_end() != "blkplane-spawn")
+        })
         .collect()
     }
 }

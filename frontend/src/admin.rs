@@ -5,7 +5,7 @@
 //! It runs on its own threads and only reads counters the workers keep, so nothing on this
 //! channel can slow down or block a request — except a drain, whose purpose that is.
 
-use std::fs;
+use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -21,6 +21,7 @@ use blkplane_proto::v1::{
 };
 use log::{info, warn};
 use prost::Message;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::config::DiskConfig;
 use crate::stats::{bucket_upper_bound_us, DeviceStatus};
@@ -48,8 +49,10 @@ pub trait Lifecycle: Send + Sync {
 
 /// Applying I/O limits (SetThrottle) to the disk's workers.
 pub trait SetLimits: Send + Sync {
-    /// Replaces the limits; an error names the field that is wrong.
-    fn set_limits(&self, request: &SetThrottle) -> Result<(), String>;
+    /// Replaces the limits; `group_file` is the throttle group's state file, attached to the
+    /// request (a frontend opens no file once it serves). An error names the field that is
+    /// wrong.
+    fn set_limits(&self, request: &SetThrottle, group_file: Option<File>) -> Result<(), String>;
 }
 
 /// What the admin channel answers from: the shared status and the operations it can run.
@@ -112,8 +115,8 @@ pub fn serve(path: &Path, services: Services) -> Result<(), AdminError> {
 fn serve_connection(mut stream: UnixStream, services: &Services) {
     let _ = stream.set_read_timeout(Some(IDLE_TIMEOUT));
     loop {
-        let request = match read_frame(&mut stream) {
-            Ok(Some(bytes)) => FrontendRequest::decode(bytes.as_slice()),
+        let (request, attached) = match read_frame(&mut stream) {
+            Ok(Some((bytes, attached))) => (FrontendRequest::decode(bytes.as_slice()), attached),
             Ok(None) => return,
             Err(e) => {
                 warn!("admin: {e}");
@@ -121,7 +124,7 @@ fn serve_connection(mut stream: UnixStream, services: &Services) {
             }
         };
         let response = match request {
-            Ok(request) => answer(request, services),
+            Ok(request) => answer(request, attached, services),
             Err(e) => frontend_response::Response::Error(format!("undecodable request: {e}")),
         };
         let frame = FrontendResponse {
@@ -135,13 +138,19 @@ fn serve_connection(mut stream: UnixStream, services: &Services) {
     }
 }
 
-/// Reads one length-prefixed frame; `None` at a clean end of stream.
-pub fn read_frame(stream: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
+/// Reads one length-prefixed frame and the descriptor attached to it, if any; `None` at a
+/// clean end of stream. The first bytes are received with `recvmsg`, which is where a
+/// descriptor sent with the frame arrives (it travels with the frame's first byte).
+pub fn read_frame(stream: &mut UnixStream) -> io::Result<Option<(Vec<u8>, Option<File>)>> {
     let mut len = [0u8; 4];
-    match stream.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
+    let (got, attached) = stream
+        .recv_with_fd(&mut len)
+        .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+    if got == 0 {
+        return Ok(None);
+    }
+    if let Some(rest) = len.get_mut(got..) {
+        stream.read_exact(rest)?;
     }
     let len = u32::from_le_bytes(len);
     if len > MAX_FRAME {
@@ -152,7 +161,7 @@ pub fn read_frame(stream: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
     }
     let mut buf = vec![0u8; len as usize];
     stream.read_exact(&mut buf)?;
-    Ok(Some(buf))
+    Ok(Some((buf, attached)))
 }
 
 /// Writes one length-prefixed frame.
@@ -166,7 +175,13 @@ pub fn write_frame(stream: &mut impl Write, frame: &[u8]) -> io::Result<()> {
     stream.flush()
 }
 
-fn answer(request: FrontendRequest, services: &Services) -> frontend_response::Response {
+/// Answers `request`; `attached` is the descriptor that came with it (only SetThrottle takes
+/// one; any other is closed).
+fn answer(
+    request: FrontendRequest,
+    attached: Option<File>,
+    services: &Services,
+) -> frontend_response::Response {
     use frontend_request::Request;
     use frontend_response::Response;
     let status = &services.status;
@@ -203,7 +218,7 @@ fn answer(request: FrontendRequest, services: &Services) -> frontend_response::R
             status.set_migration_blockers(b.reasons);
             Response::MigrationBlockersSet(MigrationBlockersSet {})
         }
-        Some(Request::SetThrottle(t)) => match services.limits.set_limits(&t) {
+        Some(Request::SetThrottle(t)) => match services.limits.set_limits(&t, attached) {
             Ok(()) => Response::ThrottleSet(ThrottleSet {}),
             Err(e) => Response::Error(e),
         },
@@ -241,6 +256,7 @@ pub fn device_status(status: &DeviceStatus, capacity_bytes: u64) -> FrontendStat
         pid: std::process::id(),
         drained: status.drained.load(Ordering::Relaxed),
         migration_blockers: status.migration_blockers(),
+        last_iothread_exit: status.last_iothread_exit(),
         last_iothread_restart_unix_ms: status
             .iothreads
             .iter()
@@ -298,7 +314,7 @@ mod tests {
     struct NoLimits;
 
     impl SetLimits for NoLimits {
-        fn set_limits(&self, _request: &SetThrottle) -> Result<(), String> {
+        fn set_limits(&self, _request: &SetThrottle, _file: Option<File>) -> Result<(), String> {
             Ok(())
         }
     }
@@ -354,7 +370,8 @@ mod tests {
         }
         .encode_to_vec();
         write_frame(stream, &frame).unwrap();
-        let reply = read_frame(stream).unwrap().unwrap();
+        let (reply, attached) = read_frame(stream).unwrap().unwrap();
+        assert!(attached.is_none());
         FrontendResponse::decode(reply.as_slice())
             .unwrap()
             .response

@@ -1,13 +1,10 @@
 //! The frontend's side of one iothread: its shared ring, its wake-up eventfds, and the
-//! `blkplane-iothread` process itself, which is spawned, handed its descriptors, and
-//! replaced when it dies.
+//! `blkplane-iothread` process itself, which the spawner (spawner.rs) starts, this link hands
+//! its descriptors, and which is replaced when it dies.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::sync::Arc;
 
 use blkplane_proto::control::{
@@ -18,9 +15,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::image::Image;
 use crate::memory::MemoryTable;
-
-/// The descriptor number the iothread finds its control socket at.
-const CHILD_CONTROL_FD: RawFd = 3;
+use crate::spawner::{ExitStatus, Spawner, SpawnerError};
 
 /// What went wrong talking to an iothread.
 #[derive(Debug, thiserror::Error)]
@@ -29,13 +24,8 @@ pub enum IothreadError {
     #[error("iothread ring: {0}")]
     Ring(#[from] RingError),
     /// The process could not be started.
-    #[error("cannot start {binary}: {source}")]
-    Spawn {
-        /// The iothread binary.
-        binary: PathBuf,
-        /// What failed.
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Spawn(#[from] SpawnerError),
     /// A control message failed or was refused.
     #[error("iothread {index} control: {source}")]
     Control {
@@ -50,14 +40,16 @@ pub enum IothreadError {
 }
 
 struct Process {
-    child: Child,
+    pid: u32,
+    /// Readable once the process has exited; signals go through it (no pid reuse race).
+    pidfd: OwnedFd,
     control: UnixStream,
 }
 
 /// One iothread as its frontend worker sees it.
 pub struct IothreadLink {
     index: usize,
-    binary: PathBuf,
+    spawner: Arc<Spawner>,
     image: Arc<Image>,
     block_size: u32,
     ring: SharedRing,
@@ -72,6 +64,8 @@ pub struct IothreadLink {
     /// Written by the iothread to wake this worker.
     pub complete_event: EventFd,
     process: Option<Process>,
+    /// How the process before the current one ended, as the spawner saw it.
+    previous_exit: Option<ExitStatus>,
     /// CPUs the process may run on (`--iothread-cpus`); all when `None`.
     cpus: Option<libc::cpu_set_t>,
 }
@@ -80,7 +74,7 @@ impl IothreadLink {
     /// Creates the ring and eventfds; the process is started by [`IothreadLink::start`].
     pub fn new(
         index: usize,
-        binary: PathBuf,
+        spawner: Arc<Spawner>,
         image: Arc<Image>,
         block_size: u32,
         slot_count: u32,
@@ -89,7 +83,7 @@ impl IothreadLink {
         let ring = SharedRing::create(slot_count, segments_per_slot)?;
         Ok(Self {
             index,
-            binary,
+            spawner,
             image,
             block_size,
             submissions: ring.submission_producer(),
@@ -99,6 +93,7 @@ impl IothreadLink {
             submit_event: EventFd::new(EFD_NONBLOCK)?,
             complete_event: EventFd::new(EFD_NONBLOCK)?,
             process: None,
+            previous_exit: None,
             cpus: None,
         })
     }
@@ -120,9 +115,15 @@ impl IothreadLink {
         self.process.as_ref().map(|p| p.control.as_raw_fd())
     }
 
+    /// How the process the last [`IothreadLink::start`] replaced had ended (`None` if none
+    /// had, or it was asked already).
+    pub fn take_previous_exit(&mut self) -> Option<ExitStatus> {
+        self.previous_exit.take()
+    }
+
     /// The process id, when one runs.
     pub fn pid(&self) -> Option<u32> {
-        self.process.as_ref().map(|p| p.child.id())
+        self.process.as_ref().map(|p| p.pid)
     }
 
     fn control_error(&self, source: ControlError) -> IothreadError {
@@ -139,42 +140,15 @@ impl IothreadLink {
         self.submissions = self.ring.submission_producer();
         self.completions = self.ring.completion_consumer();
         let (ours, theirs) = control::socket_pair()?;
-        let child_fd = theirs.as_raw_fd();
-        let cpus = self.cpus;
-        let mut command = Command::new(&self.binary);
-        command
-            .arg("--control-fd")
-            .arg(CHILD_CONTROL_FD.to_string());
-        // SAFETY: the closure only calls async-signal-safe functions (dup2, fcntl, prctl,
-        // sched_setaffinity) between fork and exec, on values prepared before the fork.
-        unsafe {
-            command.pre_exec(move || {
-                if child_fd == CHILD_CONTROL_FD {
-                    if libc::fcntl(child_fd, libc::F_SETFD, 0) < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                } else if libc::dup2(child_fd, CHILD_CONTROL_FD) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The iothread must never outlive its frontend.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if let Some(set) = &cpus {
-                    if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        let child = command.spawn().map_err(|source| IothreadError::Spawn {
-            binary: self.binary.clone(),
-            source,
-        })?;
+        let index = u32::try_from(self.index).unwrap_or(u32::MAX);
+        let spawned = self
+            .spawner
+            .spawn(index, theirs.as_raw_fd(), self.cpus.as_ref())?;
         drop(theirs);
+        self.previous_exit = spawned.previous;
         self.process = Some(Process {
-            child,
+            pid: spawned.pid,
+            pidfd: spawned.pidfd,
             control: ours,
         });
         let result = self.setup(memory);
@@ -234,9 +208,8 @@ impl IothreadLink {
     /// running: the kernel cancels or completes a dying task's io_uring requests before the
     /// task can be reaped.
     pub fn stop(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            let _ = process.child.kill();
-            let _ = process.child.wait();
+        if let Some(process) = self.process.take() {
+            kill_and_wait(&process.pidfd);
         }
     }
 
@@ -258,5 +231,38 @@ impl Drop for IothreadLink {
             let _ = control::send_request(&process.control, &ControlRequest::Shutdown, &[]);
         }
         self.stop();
+    }
+}
+
+/// Kills the process behind `pidfd` and waits until it has exited. The pidfd turns readable
+/// only once every thread of the process is gone, which is after the kernel cancelled or
+/// completed its io_uring requests (each exiting task does that first), as with a wait for a
+/// child. The spawner, its parent, reaps it.
+fn kill_and_wait(pidfd: &OwnedFd) {
+    // SAFETY: pidfd_send_signal on a pidfd we own, no siginfo.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc < 0 {
+        // ESRCH: it has exited already, which the poll below sees at once.
+        log::debug!("pidfd_send_signal: {}", io::Error::last_os_error());
+    }
+    let mut fds = [libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    loop {
+        // SAFETY: one pollfd for a pidfd we own, no timeout.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 1, -1) };
+        if rc > 0 || (rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted) {
+            return;
+        }
     }
 }

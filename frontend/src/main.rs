@@ -2,23 +2,6 @@
 //! disk. It validates the virtqueues itself and hands batches of requests to its
 //! `blkplane-iothread` processes over shared-memory rings.
 
-mod admin;
-mod backend_channel;
-mod config;
-mod dirty_log;
-mod image;
-mod inflight;
-mod iothread;
-mod lifecycle;
-mod memory;
-mod request;
-mod resize;
-mod socket_lock;
-mod stats;
-mod throttle;
-mod vhost_user;
-mod worker;
-
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -26,21 +9,23 @@ use std::sync::{Arc, Mutex};
 use clap::builder::TypedValueParser;
 use clap::Parser;
 use log::{error, info};
-use vhost::vhost_user::{BackendReqHandler, Listener};
+use vhost::vhost_user::Listener;
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
-use crate::backend_channel::BackendChannel;
-use crate::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
-use crate::image::{Image, ImageSpec};
-use crate::iothread::IothreadLink;
-use crate::lifecycle::Quiescer;
-use crate::resize::DiskResizer;
-use crate::stats::DeviceStatus;
-use crate::throttle::ThrottleControl;
-use crate::vhost_user::BlkBackend;
-use crate::worker::WorkerHandle;
+use blkplane_frontend::backend_channel::BackendChannel;
+use blkplane_frontend::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
+use blkplane_frontend::image::{Image, ImageSpec};
+use blkplane_frontend::iothread::IothreadLink;
+use blkplane_frontend::lifecycle::Quiescer;
+use blkplane_frontend::resize::DiskResizer;
+use blkplane_frontend::spawner::Spawner;
+use blkplane_frontend::stats::DeviceStatus;
+use blkplane_frontend::throttle::ThrottleControl;
+use blkplane_frontend::vhost_user::BlkBackend;
+use blkplane_frontend::worker::WorkerHandle;
+use blkplane_frontend::{admin, config, session, socket_lock};
 
 /// Serve a disk image to a VMM (QEMU, cloud-hypervisor, libblkio) as a vhost-user-blk device.
 #[derive(Debug, Parser)]
@@ -112,6 +97,16 @@ fn parse_block_size(s: &str) -> Result<u32, String> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    // First, while this is the only thread (capabilities are per thread) and before anything
+    // is opened: only what this process opens itself stays open.
+    if let Err(e) = blkplane_sandbox::close_inherited_fds() {
+        error!("closing inherited descriptors: {e}");
+        return ExitCode::FAILURE;
+    }
+    if let Err(e) = blkplane_sandbox::drop_capabilities() {
+        error!("{e}");
+        return ExitCode::FAILURE;
+    }
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -155,8 +150,12 @@ fn run(args: Args) -> Result<(), String> {
     let image = Arc::new(image);
     // Before any iothread exists (they inherit it) and before the socket listens: a crashed
     // predecessor's iothreads must be gone before its requests are resubmitted.
-    let _socket_lock =
+    let socket_lock =
         socket_lock::acquire(&args.socket, SOCKET_LOCK_TIMEOUT).map_err(|e| e.to_string())?;
+    // Forked while this process still has one thread; it keeps the lock for the iothreads.
+    let spawner = Arc::new(
+        Spawner::start(&iothread_binary, &[socket_lock.as_raw_fd()]).map_err(|e| e.to_string())?,
+    );
     // More iothreads than queues would idle.
     let iothreads = args.iothreads.min(args.num_queues);
     let status = Arc::new(DeviceStatus::new(args.num_queues, iothreads));
@@ -170,7 +169,7 @@ fn run(args: Args) -> Result<(), String> {
             u32::try_from(queue_ids.len()).unwrap_or(u32::MAX) * u32::from(args.queue_size);
         let mut link = IothreadLink::new(
             usize::from(index),
-            iothread_binary.clone(),
+            Arc::clone(&spawner),
             Arc::clone(&image),
             args.block_size,
             slot_count,
@@ -224,6 +223,15 @@ fn run(args: Args) -> Result<(), String> {
     }
     let listener = Listener::new(&args.socket, true)
         .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
+    // Everything that needs a path or a new process is done: from here on the frontend only
+    // serves (see blkplane-sandbox for what its filter allows).
+    #[cfg(debug_assertions)]
+    blkplane_sandbox::arm_forbidden_syscall_hook().map_err(|e| format!("test hook: {e}"))?;
+    blkplane_sandbox::lock_down(
+        blkplane_sandbox::Profile::Frontend,
+        blkplane_sandbox::Enforcement::from_env(),
+    )
+    .map_err(|e| e.to_string())?;
     info!(
         "serving {} ({} sectors{}) on {}",
         args.image,
@@ -232,8 +240,8 @@ fn run(args: Args) -> Result<(), String> {
         args.socket.display()
     );
     loop {
-        let mut connection = match listener.accept() {
-            Ok(Some(stream)) => BackendReqHandler::from_stream(stream, Arc::clone(&backend)),
+        let stream = match listener.accept() {
+            Ok(Some(stream)) => stream,
             Ok(None) => continue,
             Err(e) => {
                 error!("accept: {e}");
@@ -243,54 +251,8 @@ fn run(args: Args) -> Result<(), String> {
         };
         info!("VMM connected");
         status.vmm_connected.store(true, Ordering::Relaxed);
-        let reason = loop {
-            let header = match peek_backend_channel(connection.as_raw_fd(), &backend_channel) {
-                Ok(header) => header,
-                Err(e) => break e,
-            };
-            if let Err(e) = connection.handle_request() {
-                // A refusal the VMM asked to be told about (REPLY_ACK) was answered with an
-                // error status: the VMM fails what it tried (a migration) and goes on.
-                let acked = header.needs_reply() && lock(&backend).take_acked_refusal();
-                if !acked {
-                    break e.to_string();
-                }
-            }
-        };
-        // Any other error ends the session: a GET_* request that failed has no reply to send,
-        // so the VMM would wait forever on a connection kept open.
+        let reason = session::serve(stream, &backend, &backend_channel);
         info!("VMM disconnected: {reason}");
-        drop(connection);
-        lock(&backend).disconnect();
         status.vmm_connected.store(false, Ordering::Relaxed);
     }
-}
-
-/// Waits for the next vhost-user message and returns its header; when it is
-/// SET_BACKEND_REQ_FD keeps a duplicate of its descriptor (see backend_channel.rs). Errors
-/// end the session.
-fn peek_backend_channel(
-    socket: RawFd,
-    channel: &BackendChannel,
-) -> Result<backend_channel::PeekedHeader, String> {
-    match backend_channel::peek_header(socket) {
-        Ok(None) => Err("connection closed".into()),
-        Err(e) => Err(e.to_string()),
-        Ok(Some(header)) => {
-            if backend_channel::is_set_backend_req_fd(header.code) {
-                match backend_channel::peek_attached_fd(socket) {
-                    Ok(Some(fd)) => channel.set_pending(fd),
-                    Ok(None) => {}
-                    Err(e) => return Err(e.to_string()),
-                }
-            }
-            Ok(header)
-        }
-    }
-}
-
-/// The device, also after a thread panicked while holding it (its state is still the last
-/// one a handler left, which the next message or the disconnect reset deals with).
-fn lock(backend: &Mutex<BlkBackend>) -> std::sync::MutexGuard<'_, BlkBackend> {
-    backend.lock().unwrap_or_else(|p| p.into_inner())
 }

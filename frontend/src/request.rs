@@ -9,7 +9,7 @@
 
 use std::mem::size_of;
 
-use blkplane_proto::ring::{Segment, RANGE_FLAG_UNMAP};
+use blkplane_proto::ring::{Segment, SlotTable, RANGE_FLAG_UNMAP};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH,
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
@@ -210,15 +210,48 @@ impl Request {
     }
 }
 
+/// A [`SegmentSink`] has no room for another segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SinkFull;
+
 /// Where parsed segments go: a ring slot in production, a vector in tests.
 pub trait SegmentSink {
     /// Appends a segment; `Err` when the sink is full.
-    fn push(&mut self, segment: Segment) -> Result<(), ()>;
+    fn push(&mut self, segment: Segment) -> Result<(), SinkFull>;
 }
 
 impl SegmentSink for Vec<Segment> {
-    fn push(&mut self, segment: Segment) -> Result<(), ()> {
+    fn push(&mut self, segment: Segment) -> Result<(), SinkFull> {
         Vec::push(self, segment);
+        Ok(())
+    }
+}
+
+/// Writes a parsed request's segments straight into its ring slot: the production sink, shared
+/// by the worker and the fuzz targets so that both exercise the same path.
+pub struct SlotSink<'a> {
+    slots: &'a SlotTable,
+    slot: u32,
+    count: u32,
+}
+
+impl<'a> SlotSink<'a> {
+    /// A sink writing segments 0, 1, … of `slot`.
+    pub fn new(slots: &'a SlotTable, slot: u32) -> Self {
+        Self {
+            slots,
+            slot,
+            count: 0,
+        }
+    }
+}
+
+impl SegmentSink for SlotSink<'_> {
+    fn push(&mut self, segment: Segment) -> Result<(), SinkFull> {
+        self.slots
+            .set_segment(self.slot, self.count, segment)
+            .map_err(|_| SinkFull)?;
+        self.count += 1;
         Ok(())
     }
 }
@@ -559,7 +592,7 @@ fn emit_stream(
         memory
             .for_each_piece(start, take, |region, offset, piece| {
                 if count >= limit {
-                    return Err(());
+                    return Err(SinkFull);
                 }
                 count += 1;
                 sink.push(Segment {
@@ -569,7 +602,7 @@ fn emit_stream(
                 })
             })
             .map_err(|e| match e {
-                PieceError::Sink(()) => RequestError::TooManySegments(limit),
+                PieceError::Sink(SinkFull) => RequestError::TooManySegments(limit),
                 PieceError::Overflow => RequestError::AddressOverflow(start),
                 PieceError::OutsideMemory => RequestError::OutsideMemory(start),
             })?;
@@ -633,7 +666,7 @@ fn parse_ranges(
             len: len as u32,
             aux: unmap,
         })
-        .map_err(|()| RequestError::TooManySegments(count))?;
+        .map_err(|SinkFull| RequestError::TooManySegments(count))?;
         bytes += len;
     }
     Ok((count, bytes))
@@ -1101,9 +1134,9 @@ mod tests {
         assert!(limit < u32::from(QSIZE) * 3);
         struct Bounded(Vec<Segment>, usize);
         impl SegmentSink for Bounded {
-            fn push(&mut self, s: Segment) -> Result<(), ()> {
+            fn push(&mut self, s: Segment) -> Result<(), SinkFull> {
                 if self.0.len() >= self.1 {
-                    return Err(());
+                    return Err(SinkFull);
                 }
                 self.0.push(s);
                 Ok(())

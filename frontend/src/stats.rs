@@ -168,6 +168,9 @@ pub struct DeviceStatus {
     /// The migration blockers blkplaned sent (SetMigrationBlockers). Read and written on the
     /// control path only (admin channel, SET_FEATURES, SET_LOG_BASE), never per request.
     migration_blockers: Mutex<Vec<String>>,
+    /// How the iothread replaced last had ended (empty: none was). Written when one is
+    /// replaced, read by the admin channel.
+    last_iothread_exit: Mutex<String>,
 }
 
 /// The prefix of a blocker line that names its reason (`"draining: …"` → `"draining:"`), so
@@ -187,7 +190,24 @@ impl DeviceStatus {
             acked_protocol_features: AtomicU64::new(0),
             drained: AtomicBool::new(false),
             migration_blockers: Mutex::new(Vec::new()),
+            last_iothread_exit: Mutex::new(String::new()),
         }
+    }
+
+    /// Records how a replaced iothread had ended.
+    pub fn set_last_iothread_exit(&self, how: String) {
+        *self
+            .last_iothread_exit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = how;
+    }
+
+    /// How the iothread replaced last had ended; empty if none was.
+    pub fn last_iothread_exit(&self) -> String {
+        self.last_iothread_exit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Replaces blkplaned's list of migration blockers.

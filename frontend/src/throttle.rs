@@ -16,7 +16,7 @@
 //! test.
 
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::ops::Deref;
 use std::os::fd::{AsRawFd, RawFd};
@@ -52,13 +52,22 @@ pub enum ThrottleError {
     /// The member index is not below the group size limit.
     #[error("member_index: {0} is not below {MAX_GROUP_MEMBERS}")]
     MemberIndex(u32),
-    /// The group's state file cannot be opened or mapped.
+    /// The group's state file cannot be mapped.
     #[error("group_state_path: {path}: {source}")]
     GroupFile {
         /// The path blkplaned sent.
         path: String,
         /// What failed.
         source: io::Error,
+    },
+    /// A group without its state file attached.
+    #[error(
+        "group_state_path: {path}: the group's state file must be attached to the request \
+         (SCM_RIGHTS)"
+    )]
+    GroupFileMissing {
+        /// The path the request names.
+        path: String,
     },
     /// The group's state file has the wrong size (not made by this blkplane's blkplaned).
     #[error("group_state_path: {path} is {len} bytes, not {GROUP_STATE_LEN}")]
@@ -91,16 +100,12 @@ struct GroupFile {
 }
 
 impl GroupFile {
-    fn open(path: &str) -> Result<Self, ThrottleError> {
+    /// Maps `file`, the group's state file that blkplaned created at `path`.
+    fn new(file: File, path: &str) -> Result<Self, ThrottleError> {
         let failed = |source| ThrottleError::GroupFile {
             path: path.to_string(),
             source,
         };
-        let file: File = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(failed)?;
         let len = file.metadata().map_err(failed)?.len();
         // Exactly the size blkplaned makes: a shorter file would fault when touched beyond
         // its end, a longer one is not a group file.
@@ -155,9 +160,13 @@ pub struct DiskThrottle {
 }
 
 impl DiskThrottle {
-    /// The throttle of a SetThrottle request; `None` when it sets no limit. The buckets start
-    /// empty (a group's are emptied, as QEMU does whenever limits are set).
-    pub fn from_request(request: &v1::SetThrottle) -> Result<Option<Arc<Self>>, ThrottleError> {
+    /// The throttle of a SetThrottle request; `None` when it sets no limit. A group's state
+    /// file comes attached to the request (`group_file`); `group_state_path` only names it.
+    /// The buckets start empty (a group's are emptied, as QEMU does whenever limits are set).
+    pub fn from_request(
+        request: &v1::SetThrottle,
+        group_file: Option<File>,
+    ) -> Result<Option<Arc<Self>>, ThrottleError> {
         let limits = request
             .limits
             .as_ref()
@@ -174,7 +183,10 @@ impl DiskThrottle {
                 .ok()
                 .filter(|&i| i < MAX_GROUP_MEMBERS)
                 .ok_or(ThrottleError::MemberIndex(request.member_index))?;
-            let file = Arc::new(GroupFile::open(&request.group_state_path)?);
+            let file = group_file.ok_or_else(|| ThrottleError::GroupFileMissing {
+                path: request.group_state_path.clone(),
+            })?;
+            let file = Arc::new(GroupFile::new(file, &request.group_state_path)?);
             (Buckets::Group(Arc::clone(&file)), Some((file, index)))
         };
         let throttle = Throttle::new(limits, buckets)?;
@@ -229,8 +241,13 @@ impl ThrottleControl {
 }
 
 impl SetLimits for ThrottleControl {
-    fn set_limits(&self, request: &v1::SetThrottle) -> Result<(), String> {
-        let throttle = DiskThrottle::from_request(request).map_err(|e| e.to_string())?;
+    fn set_limits(
+        &self,
+        request: &v1::SetThrottle,
+        group_file: Option<File>,
+    ) -> Result<(), String> {
+        let throttle =
+            DiskThrottle::from_request(request, group_file).map_err(|e| e.to_string())?;
         let backend = self.backend.lock().unwrap_or_else(|p| p.into_inner());
         // Posted to all first, so that every worker switches at about the same time.
         let answers: Vec<_> = backend
@@ -470,9 +487,11 @@ mod tests {
 
     #[test]
     fn no_limits_means_no_throttle() {
-        assert!(DiskThrottle::from_request(&v1::SetThrottle::default())
-            .unwrap()
-            .is_none());
+        assert!(
+            DiskThrottle::from_request(&v1::SetThrottle::default(), None)
+                .unwrap()
+                .is_none()
+        );
         let mut t = Throttler::new(4).unwrap();
         assert!(t.admit_or_queue(Direction::Read, 0, 1 << 20));
         assert!(!t.is_active());
@@ -480,31 +499,44 @@ mod tests {
 
     #[test]
     fn invalid_limits_name_the_field() {
-        let e = DiskThrottle::from_request(&request(v1::ThrottleLimits {
-            iops_total: 100,
-            iops_total_max: 50,
-            ..Default::default()
-        }))
-        .unwrap_err();
-        assert!(e.to_string().starts_with("limits.iops_total_max: "), "{e}");
-        let e = DiskThrottle::from_request(&v1::SetThrottle {
-            limits: Some(v1::ThrottleLimits {
+        let e = DiskThrottle::from_request(
+            &request(v1::ThrottleLimits {
                 iops_total: 100,
+                iops_total_max: 50,
                 ..Default::default()
             }),
-            group_state_path: "/nonexistent/group.state".into(),
-            member_index: 0,
-        })
+            None,
+        )
         .unwrap_err();
+        assert!(e.to_string().starts_with("limits.iops_total_max: "), "{e}");
+        let e = DiskThrottle::from_request(
+            &v1::SetThrottle {
+                limits: Some(v1::ThrottleLimits {
+                    iops_total: 100,
+                    ..Default::default()
+                }),
+                group_state_path: "/run/blkplane/throttle/g.state".into(),
+                member_index: 0,
+            },
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, ThrottleError::GroupFileMissing { .. }),
+            "a group without its file attached: {e}"
+        );
         assert!(e.to_string().starts_with("group_state_path: "), "{e}");
     }
 
     #[test]
     fn requests_queue_in_order_and_go_when_the_bucket_has_room() {
-        let limits = DiskThrottle::from_request(&request(v1::ThrottleLimits {
-            iops_read: 100,
-            ..Default::default()
-        }))
+        let limits = DiskThrottle::from_request(
+            &request(v1::ThrottleLimits {
+                iops_read: 100,
+                ..Default::default()
+            }),
+            None,
+        )
         .unwrap();
         let mut t = Throttler::new(64).unwrap();
         t.set(limits);
@@ -552,14 +584,18 @@ mod tests {
             .set_len(GROUP_STATE_LEN as u64)
             .unwrap();
         let member = |index| {
-            DiskThrottle::from_request(&v1::SetThrottle {
-                limits: Some(v1::ThrottleLimits {
-                    iops_total: 1000,
-                    ..Default::default()
-                }),
-                group_state_path: path.to_str().unwrap().into(),
-                member_index: index,
-            })
+            let file = File::options().read(true).write(true).open(&path).unwrap();
+            DiskThrottle::from_request(
+                &v1::SetThrottle {
+                    limits: Some(v1::ThrottleLimits {
+                        iops_total: 1000,
+                        ..Default::default()
+                    }),
+                    group_state_path: path.to_str().unwrap().into(),
+                    member_index: index,
+                },
+                Some(file),
+            )
             .unwrap()
             .unwrap()
         };
@@ -591,26 +627,25 @@ mod tests {
         ));
         assert_eq!(first.1.admit(Direction::Read, 4096, later), Admission::Go);
         let _ = std::fs::remove_dir_all(&dir);
+        let not_a_group_file = |member_index| {
+            DiskThrottle::from_request(
+                &v1::SetThrottle {
+                    limits: Some(v1::ThrottleLimits {
+                        iops_total: 1,
+                        ..Default::default()
+                    }),
+                    group_state_path: "/dev/null".into(),
+                    member_index,
+                },
+                Some(File::open("/dev/null").unwrap()),
+            )
+        };
         assert!(matches!(
-            DiskThrottle::from_request(&v1::SetThrottle {
-                limits: Some(v1::ThrottleLimits {
-                    iops_total: 1,
-                    ..Default::default()
-                }),
-                group_state_path: "/dev/null".into(),
-                member_index: 0,
-            }),
+            not_a_group_file(0),
             Err(ThrottleError::GroupFileSize { .. })
         ));
         assert!(matches!(
-            DiskThrottle::from_request(&v1::SetThrottle {
-                limits: Some(v1::ThrottleLimits {
-                    iops_total: 1,
-                    ..Default::default()
-                }),
-                group_state_path: "/dev/null".into(),
-                member_index: 64,
-            }),
+            not_a_group_file(64),
             Err(ThrottleError::MemberIndex(64))
         ));
     }

@@ -25,6 +25,7 @@ use vhost::vhost_user::{
 use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestAddress;
 
 use crate::backend_channel::BackendChannel;
 use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
@@ -215,6 +216,11 @@ impl BlkBackend {
                 "queue {index}: ring is not inside guest memory"
             )));
         }
+        if let Some(area) = used_ring_overlap(desc, avail, used, vring.size) {
+            return Err(invalid(&format!(
+                "queue {index}: the used ring overlaps the {area}"
+            )));
+        }
         queue.set_next_avail(vring.base);
         // The used index lives in guest memory: after a reconnect it may differ from the avail
         // base by the requests that were in flight.
@@ -328,8 +334,18 @@ impl BlkBackend {
                 stopped = false;
             }
         }
+        // Everything of the rings goes but their error eventfds: QEMU sends SET_VRING_ERR once
+        // per connection (when it sets the device up), not again after a reset by the guest
+        // driver, so dropping them would leave a later broken ring unable to tell the VMM.
+        // `disconnect` drops them with the session.
+        let mut errs = std::mem::take(&mut self.vrings)
+            .into_iter()
+            .map(|vring| vring.err);
         self.vrings = (0..self.disk.num_queues)
-            .map(|_| VringSetup::default())
+            .map(|_| VringSetup {
+                err: errs.next().flatten(),
+                ..VringSetup::default()
+            })
             .collect();
         if self.logging() {
             if let Err(e) = self.set_workers_log(None) {
@@ -359,6 +375,9 @@ impl BlkBackend {
     /// protocol features and back-end channel forgotten — ready for the next connection.
     pub fn disconnect(&mut self) {
         self.reset_device_state();
+        for vring in &mut self.vrings {
+            vring.err = None;
+        }
         self.acked_protocol_features = 0;
         // The region and the log belong to the session; a reconnecting VMM sends them again.
         self.inflight = None;
@@ -415,6 +434,31 @@ fn track_inflight(
         );
     }
     Ok((Some(tracker), recovered))
+}
+
+/// The area of a split ring of `size` entries that its used ring overlaps, if any.
+///
+/// The device writes the used ring, so an overlap makes it change what it reads next: a used
+/// ring on the avail ring moves the avail index with every used entry, and a worker completing
+/// rejected chains at once would then pop forever without the guest doing anything more.
+pub fn used_ring_overlap(
+    desc: GuestAddress,
+    avail: GuestAddress,
+    used: GuestAddress,
+    size: u16,
+) -> Option<&'static str> {
+    let entries = u64::from(size);
+    // Flags and index, the entries, then used_event / avail_event.
+    let span = |start: GuestAddress, len: u64| (start.0, start.0.saturating_add(len));
+    let used = span(used, 4 + 8 * entries + 2);
+    let overlaps = |(start, end): (u64, u64)| start < used.1 && used.0 < end;
+    if overlaps(span(avail, 4 + 2 * entries + 2)) {
+        Some("avail ring")
+    } else if overlaps(span(desc, 16 * entries)) {
+        Some("descriptor table")
+    } else {
+        None
+    }
 }
 
 fn queue_index(index: u32) -> VhostResult<u16> {
@@ -757,5 +801,44 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         }
         self.dirty_log = Some(dirty);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_used_ring_on_the_avail_ring_or_the_table_is_refused() {
+        let at = GuestAddress;
+        // QEMU's layout for 64 entries: table, avail ring, used ring on the next 4 KiB.
+        assert_eq!(
+            used_ring_overlap(at(0x1000), at(0x1400), at(0x2000), 64),
+            None
+        );
+        // The avail index would follow the used index: the worker would pop forever.
+        assert_eq!(
+            used_ring_overlap(at(0x1000), at(0x2000), at(0x2000), 64),
+            Some("avail ring")
+        );
+        // The used ring's last byte (avail_event) on the avail ring's first.
+        let used_end = 0x2000 + 4 + 8 * 64 + 2;
+        assert_eq!(
+            used_ring_overlap(at(0x1000), at(used_end - 1), at(0x2000), 64),
+            Some("avail ring")
+        );
+        assert_eq!(
+            used_ring_overlap(at(0x1000), at(used_end), at(0x2000), 64),
+            None
+        );
+        assert_eq!(
+            used_ring_overlap(at(0x2100), at(0x4000), at(0x2000), 64),
+            Some("descriptor table")
+        );
+        // Near the top of the address space the spans saturate instead of wrapping.
+        assert_eq!(
+            used_ring_overlap(at(0), at(0x1000), at(u64::MAX - 8), 64),
+            None
+        );
     }
 }

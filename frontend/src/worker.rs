@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use blkplane_proto::ring::{Completion, Opcode, SlotHeader, SlotTable, SLOT_FLAG_SYNC};
+use blkplane_proto::ring::{Completion, Opcode, SlotHeader, SLOT_FLAG_SYNC};
 use log::{error, info, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use virtio_queue::desc::split::Descriptor;
@@ -33,7 +33,7 @@ use crate::dirty_log::DirtyLog;
 use crate::inflight::QueueInflight;
 use crate::iothread::IothreadLink;
 use crate::memory::MemoryTable;
-use crate::request::{self, ChainError, Rejected, RequestKind, SegmentSink};
+use crate::request::{self, ChainError, Rejected, RequestKind};
 use crate::stats::{DeviceStatus, QueueCounters};
 use crate::throttle::{self, DiskThrottle, Throttler};
 
@@ -297,23 +297,6 @@ struct Worker {
     throttler: Throttler,
 }
 
-/// Writes a parsed request's segments straight into its ring slot.
-struct SlotSink<'a> {
-    slots: &'a SlotTable,
-    slot: u32,
-    count: u32,
-}
-
-impl SegmentSink for SlotSink<'_> {
-    fn push(&mut self, segment: blkplane_proto::ring::Segment) -> Result<(), ()> {
-        self.slots
-            .set_segment(self.slot, self.count, segment)
-            .map_err(|_| ())?;
-        self.count += 1;
-        Ok(())
-    }
-}
-
 /// Takes the next available head off the avail ring. An avail index more than a queue size
 /// ahead of ours is the driver breaking the ring, reported as an error.
 fn next_head(queue: &mut Queue, mem: &GuestMemoryMmap) -> Result<Option<u16>, virtio_queue::Error> {
@@ -340,6 +323,13 @@ fn drain_eventfd(fd: RawFd) {
     let mut buf = [0u8; 8];
     // SAFETY: reads at most 8 bytes into a local buffer.
     let _ = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+}
+
+/// Makes an eventfd readable, as the VMM's kick would.
+fn signal_eventfd(fd: RawFd) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a local buffer; EAGAIN only means it is readable already.
+    let _ = unsafe { libc::write(fd, one.as_ptr().cast(), one.len()) };
 }
 
 impl Worker {
@@ -614,10 +604,19 @@ impl Worker {
                 return self.break_queue(local, &e.to_string());
             }
             log_used_ring(self.dirty_log.as_deref(), &rq.queue);
+            // One pass pops at most a ring's worth: a guest that keeps publishing chains
+            // rejected on the spot must not keep this worker from its commands (stop, drain)
+            // and its other queues. A kick of our own brings it back here after them.
+            let mut budget = rq.queue.size();
             loop {
                 let Some(Some(rq)) = self.queues.get_mut(local) else {
                     return;
                 };
+                if budget == 0 {
+                    signal_eventfd(rq.kick.as_raw_fd());
+                    return;
+                }
+                budget -= 1;
                 let head = match next_head(&mut rq.queue, mem) {
                     Ok(Some(head)) => head,
                     Ok(None) => break,
@@ -701,11 +700,7 @@ impl Worker {
                 return self.complete_now(local, head, None, 0, mem);
             }
         }
-        let mut sink = SlotSink {
-            slots: &self.link.slots,
-            slot,
-            count: 0,
-        };
+        let mut sink = request::SlotSink::new(&self.link.slots, slot);
         let parsed = request::parse(&self.scratch, memory, &self.disk, &mut sink);
         let request = match parsed {
             Ok(request) => request,
@@ -1064,6 +1059,12 @@ impl Worker {
             }
         }
         self.publish_iothread_pid();
+        let how = match self.link.take_previous_exit() {
+            Some(exit) => format!("iothread {} ({exit})", self.index),
+            None => format!("iothread {} (pid {})", self.index, old_pid.unwrap_or(0)),
+        };
+        warn!("worker {}: replaced {how}", self.index);
+        self.status.set_last_iothread_exit(how);
         if let Some(iothread) = self.status.iothreads.get(self.index) {
             iothread
                 .restarts

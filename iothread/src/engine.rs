@@ -42,6 +42,7 @@ use std::os::unix::net::UnixStream;
 
 use blkplane_proto::control::{self, ControlError, ControlReply, ControlRequest};
 use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
+use io_uring::register::Restriction;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use log::{debug, error, info, warn};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
@@ -235,6 +236,7 @@ impl Engine {
         let count = slots.count();
         let uring = build_uring(count)?;
         check_opcodes(&uring)?;
+        restrict_and_enable(&uring)?;
         let segments = slots.segments_per_slot() as usize;
         let state_bytes = u64::from(count) * segments as u64 * SLOT_BYTES_PER_SEGMENT;
         if state_bytes > MAX_SLOT_STATE_BYTES {
@@ -683,9 +685,11 @@ fn build_uring(slot_count: u32) -> Result<IoUring, EngineError> {
     let sq_entries = wanted.clamp(8, MAX_SQ_ENTRIES);
     let cq_entries = wanted.max(2 * sq_entries);
     // Cooperative task running and single issuer only save work; older kernels refuse them.
+    // Created disabled, to be restricted before its first use (restrict_and_enable).
     IoUring::builder()
         .setup_cqsize(cq_entries)
         .setup_clamp()
+        .setup_r_disabled()
         .setup_coop_taskrun()
         .setup_single_issuer()
         .build(sq_entries)
@@ -693,10 +697,21 @@ fn build_uring(slot_count: u32) -> Result<IoUring, EngineError> {
             IoUring::builder()
                 .setup_cqsize(cq_entries)
                 .setup_clamp()
+                .setup_r_disabled()
                 .build(sq_entries)
         })
         .map_err(EngineError::Uring)
 }
+
+/// The only operations the engine submits; the ring is restricted to them.
+const OPCODES: [(u8, &str); 6] = [
+    (opcode::Readv::CODE, "READV"),
+    (opcode::Writev::CODE, "WRITEV"),
+    (opcode::Fsync::CODE, "FSYNC"),
+    (opcode::Fallocate::CODE, "FALLOCATE"),
+    (opcode::Read::CODE, "READ"),
+    (opcode::PollAdd::CODE, "POLL_ADD"),
+];
 
 fn check_opcodes(uring: &IoUring) -> Result<(), EngineError> {
     let mut probe = Probe::new();
@@ -704,19 +719,26 @@ fn check_opcodes(uring: &IoUring) -> Result<(), EngineError> {
         .submitter()
         .register_probe(&mut probe)
         .map_err(EngineError::Uring)?;
-    for (code, name) in [
-        (opcode::Readv::CODE, "READV"),
-        (opcode::Writev::CODE, "WRITEV"),
-        (opcode::Fsync::CODE, "FSYNC"),
-        (opcode::Fallocate::CODE, "FALLOCATE"),
-        (opcode::Read::CODE, "READ"),
-        (opcode::PollAdd::CODE, "POLL_ADD"),
-    ] {
+    for (code, name) in OPCODES {
         if !probe.is_supported(code) {
             return Err(EngineError::Unsupported(name));
         }
     }
     Ok(())
+}
+
+/// Restricts the (still disabled) ring to [`OPCODES`] and no `io_uring_register` operation,
+/// then enables it. io_uring requests are not seen by seccomp: without this, a compromised
+/// iothread could open files or sockets through its ring (IORING_OP_OPENAT, _SOCKET, ...).
+fn restrict_and_enable(uring: &IoUring) -> Result<(), EngineError> {
+    let mut restrictions = OPCODES.map(|(code, _)| Restriction::sqe_op(code));
+    let submitter = uring.submitter();
+    submitter
+        .register_restrictions(&mut restrictions)
+        .map_err(EngineError::Uring)?;
+    submitter
+        .register_enable_rings()
+        .map_err(EngineError::Uring)
 }
 
 #[cfg(test)]
@@ -731,6 +753,41 @@ mod tests {
         assert!(fd >= 0);
         // SAFETY: a fresh fd owned by nobody else.
         unsafe { File::from_raw_fd(fd) }
+    }
+
+    /// The ring runs what the engine submits and refuses everything else (EACCES), such as
+    /// an OPENAT a compromised iothread could use to reach files seccomp keeps it from.
+    #[test]
+    fn the_ring_is_restricted_to_the_engine_opcodes() {
+        let (_ring, mut engine) = engine();
+        let uring = &mut engine.uring;
+        let event = eventfd();
+        let mut buf = [0u8; 8];
+        let read = opcode::Read::new(types::Fd(event.as_raw_fd()), buf.as_mut_ptr(), 8)
+            .build()
+            .user_data(1);
+        let openat = opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), c"/etc/hostname".as_ptr())
+            .build()
+            .user_data(2);
+        // SAFETY: the buffer and path outlive the submissions, which complete before the
+        // function returns (submit_and_wait(2)).
+        unsafe {
+            let mut sq = uring.submission();
+            sq.push(&read).unwrap();
+            sq.push(&openat).unwrap();
+        }
+        // SAFETY: writing 8 bytes to an eventfd we own.
+        assert_eq!(
+            unsafe { libc::write(event.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) },
+            8
+        );
+        uring.submit_and_wait(2).unwrap();
+        let mut results: Vec<(u64, i32)> = uring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        results.sort_unstable();
+        assert_eq!(results, [(1, 8), (2, -libc::EACCES)]);
     }
 
     fn engine() -> (SharedRing, Engine) {

@@ -9,12 +9,6 @@
 //! or died); 1 on any error (bad setup, control protocol violation, broken ring); 2 for a bad
 //! command line.
 
-mod engine;
-mod image;
-mod memory;
-mod request;
-mod slot;
-
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -29,8 +23,8 @@ use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
 use log::{error, info};
 
-use crate::engine::{Engine, EngineError, Exit};
-use crate::image::{Image, ImageError};
+use blkplane_iothread::engine::{Engine, EngineError, Exit};
+use blkplane_iothread::image::{Image, ImageError};
 
 /// blkplane's I/O process: serves one frontend's request ring with io_uring.
 ///
@@ -62,6 +56,9 @@ enum Error {
     /// The engine stopped on an error.
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// The process could not be locked down (it does not serve unsandboxed).
+    #[error("sandbox: {0}")]
+    Sandbox(io::Error),
 }
 
 /// Why a `Setup` was refused; answered with [`SetupError::errno`] before exiting.
@@ -116,6 +113,12 @@ impl SetupError {
 
 fn main() -> ExitCode {
     init_logging();
+    // Inherited empty from a sandboxed spawner already; dropped again for an iothread started
+    // by hand.
+    if let Err(e) = blkplane_sandbox::drop_capabilities() {
+        error!("{e}");
+        return ExitCode::FAILURE;
+    }
     let args = Args::parse();
     match run(&args) {
         Ok(Exit::Shutdown) => {
@@ -161,6 +164,14 @@ fn run(args: &Args) -> Result<Exit, Error> {
             return Err(e.into());
         }
     };
+    // From here on the iothread only serves: its io_uring is restricted, its fds are open.
+    #[cfg(debug_assertions)]
+    blkplane_sandbox::arm_forbidden_syscall_hook().map_err(Error::Sandbox)?;
+    blkplane_sandbox::lock_down(
+        blkplane_sandbox::Profile::Iothread,
+        blkplane_sandbox::Enforcement::from_env(),
+    )
+    .map_err(|e| Error::Sandbox(io::Error::other(e)))?;
     ControlReply::OK
         .send(&control)
         .map_err(|e| Error::Setup(e.into()))?;

@@ -158,6 +158,11 @@ impl MemoryTable {
         self.regions.len()
     }
 
+    /// Whether the table has no region (before the first SetMemoryTable).
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
     /// Region `index`, if the table has it.
     pub fn region(&self, index: u32) -> Option<&Region> {
         self.regions.get(usize::try_from(index).ok()?)

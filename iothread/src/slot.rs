@@ -366,8 +366,10 @@ impl SlotState {
 
     /// Interprets the result of the transfer issued last.
     pub fn on_transfer(&mut self, result: i32) -> Step {
+        // The kernel returns -4095..=-1 for errors; saturating keeps a result outside that
+        // (i32::MIN) an unknown errno instead of an overflow.
         let step = if result < 0 {
-            match -result {
+            match result.saturating_neg() {
                 libc::EAGAIN | libc::EINTR => Step::Issue(Stage::Transfer),
                 // The device wants a stricter alignment than the logical block size promised;
                 // the buffered fd accepts anything.
@@ -405,7 +407,7 @@ impl SlotState {
     pub fn on_fsync(&mut self, result: i32) -> Step {
         let step = match result {
             0.. => Step::Complete(VIRTIO_BLK_S_OK),
-            _ => match -result {
+            _ => match result.saturating_neg() {
                 libc::EAGAIN | libc::EINTR => Step::Issue(Stage::Fsync),
                 errno => Step::Failed(errno),
             },
@@ -430,7 +432,7 @@ impl SlotState {
                 self.range_next += 1;
                 self.next_range(support)
             }
-            _ => match -result {
+            _ => match result.saturating_neg() {
                 libc::EAGAIN | libc::EINTR => Step::Issue(Stage::Range),
                 libc::EOPNOTSUPP => {
                     // Retries the same range in the other mode, completes a discard, or fails a
@@ -608,6 +610,23 @@ mod tests {
         slot.begin(read(512, 1), &support);
         slot.next_transfer(None);
         assert_eq!(slot.on_transfer(-libc::EINVAL), Step::Failed(libc::EINVAL));
+    }
+
+    #[test]
+    fn any_result_is_an_answer_even_i32_min() {
+        let mut support = FallocateSupport::default();
+        let mut slot = slot_with(&[iov(0x1000, 512)]);
+        slot.begin(read(512, 1), &support);
+        slot.next_transfer(None);
+        assert_eq!(slot.on_transfer(i32::MIN), Step::Failed(i32::MAX));
+        slot.begin(Request::Flush, &support);
+        assert_eq!(slot.on_fsync(i32::MIN), Step::Failed(i32::MAX));
+        let mut slot = ranges_slot(&[range(0, false)]);
+        slot.begin(Request::WriteZeroes { ranges: 1 }, &support);
+        assert_eq!(
+            slot.on_range(i32::MIN, &mut support),
+            Step::Failed(i32::MAX)
+        );
     }
 
     #[test]

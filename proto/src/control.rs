@@ -28,7 +28,8 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{FromRawFd, RawFd};
+use std::mem::ManuallyDrop;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -316,6 +317,23 @@ pub fn socket_pair() -> io::Result<(UnixStream, UnixStream)> {
             UnixStream::from_raw_fd(fds[1]),
         )
     })
+}
+
+/// Sends `bytes` on the stream socket `socket` with `attached` as an SCM_RIGHTS descriptor
+/// (it travels with the first byte); returns how many bytes were sent. This is how blkplaned
+/// hands a frontend a file the frontend may not open itself, on the admin channel
+/// (`proto/blkplane/v1/frontend.proto`); the socket may be non-blocking (WouldBlock).
+pub fn send_with_fd(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    attached: BorrowedFd<'_>,
+) -> io::Result<usize> {
+    // SAFETY: the UnixStream only borrows the descriptor for this call: ManuallyDrop keeps
+    // it from being closed, and nothing else is done with it.
+    let stream = ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(socket.as_raw_fd()) });
+    stream
+        .send_with_fds(&[bytes], &[attached.as_raw_fd()])
+        .map_err(|e| io::Error::from_raw_os_error(e.errno()))
 }
 
 #[cfg(test)]

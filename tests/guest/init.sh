@@ -23,6 +23,9 @@
 # log reads as a transcript. Expectations come from the kernel command line (bp.*=...).
 # bp.mode=migrate (tests/tests/migration.rs) runs the live-migration phases on the read-write
 # disk alone instead of the checks below (see migration_run).
+# bp.mode=soak (tests/tests/soak.rs) runs fio write+verify rounds on two read-write disks
+# (bp.serial and bp.serial2) while the host injects faults, until the host writes the stop
+# marker (see soak_run).
 #
 # Layout of the read-write disk (MiB):
 #   [0, 96)     ext4 (mkfs.ext4 with a 96M file-system size on the whole disk)
@@ -42,6 +45,9 @@
 #               migration's first pass has sent every page (bp.mode=migrate)
 #   [0, 96)     bp.mode=migrate: ext4 with cache.bin, random data read into the page cache
 #               during the migration (see cache_filler)
+#   203         the stop marker (one sector, bp.mode=soak): "BLKPLANE-STOP <nonce> <size>",
+#               written by the host when its fault loop is over; size: the capacity in bytes
+#               the second disk must have by then (the host grew it during the run)
 
 /bin/busybox mkdir -p /proc /sys /dev /tmp /mnt /run /bin /sbin /usr/bin /usr/sbin
 /bin/busybox --install -s
@@ -65,6 +71,7 @@ FLUSH_MIB=172
 MARK_SECTOR=$((200 * 2048))
 MIGRATED_SECTOR=$((201 * 2048))
 FREEZE_SECTOR=$((202 * 2048))
+STOP_SECTOR=$((203 * 2048))
 CACHE_MIB=48
 REGION_MIB=4
 
@@ -581,9 +588,90 @@ migration_run() {
     finish
 }
 
+# ---- soak (bp.mode=soak) -----------------------------------------------------------------------
+
+# fio section $1 on /dev/$2 in the background, into /tmp/soak-$2.log; sets SOAK_PID.
+soak_fio() {
+    BP_DEV=/dev/$2 "$FIO" --section="$1" --output=/tmp/soak-"$2".log /etc/blkplane/verify.fio &
+    SOAK_PID=$!
+}
+
+# soak_result DEV RC: 0 if the fio run on DEV exited 0 and both wrote and read (fio exits 0
+# when it refuses to start).
+soak_result() {
+    [ "$2" = 0 ] && grep -q '^ *WRITE: ' /tmp/soak-"$1".log && grep -q '^ *READ: ' /tmp/soak-"$1".log
+}
+
+# Rounds of fio on both disks at once — the crash section (4k random writes, then every block
+# read back and checked) and the mixed one (time-based random read/write, verified as it goes)
+# in turn — until the host's stop marker is on the first disk. The first round tells the host
+# when writes flow (BLKPLANE-HOST soak-start); each round is reported (BLKPLANE-INFO
+# soak-round). Every round must pass on both disks with no kernel I/O error, and the second
+# disk must have the capacity the stop marker names (the host resized it live).
+soak_run() {
+    serial2=$(param bp.serial2)
+    RW2=""
+    for d in /sys/block/vd*; do
+        [ "$(cat "$d/serial" 2>/dev/null)" = "$serial2" ] && RW2=${d##*/}
+    done
+    if [ -z "$RW2" ] || [ ! -b "/dev/$RW2" ]; then
+        fail soak-disks "no disk with serial $serial2"
+        finish
+    fi
+    ok soak-disks "$RW (serial $EXP_SERIAL) and $RW2 (serial $serial2)"
+    e0=$(io_errors)
+    w0=$(stat_field "$RW" 5)
+    t0=$(date +%s)
+    rounds=0 bad=0 seen=0
+    while [ $seen = 0 ]; do
+        rounds=$((rounds + 1))
+        if [ $((rounds % 2)) = 1 ]; then section=crash; else section=mixed; fi
+        r0=$(date +%s)
+        soak_fio $section "$RW"
+        pid1=$SOAK_PID
+        soak_fio $section "$RW2"
+        pid2=$SOAK_PID
+        if [ $rounds = 1 ]; then
+            wait_writes_flow $pid1 "$w0"
+            emit "BLKPLANE-HOST soak-start"
+        fi
+        wait $pid1
+        rc1=$?
+        wait $pid2
+        rc2=$?
+        verdict1=ok verdict2=ok
+        soak_result "$RW" $rc1 || verdict1=fail
+        soak_result "$RW2" $rc2 || verdict2=fail
+        for pair in "$RW:$verdict1:$rc1" "$RW2:$verdict2:$rc2"; do
+            dev=${pair%%:*}
+            rest=${pair#*:}
+            if [ "${rest%%:*}" = fail ]; then
+                bad=$((bad + 1))
+                cat /tmp/soak-"$dev".log
+                fail soak-round "round $rounds ($section) on $dev: fio exit ${rest#*:}: $(grep -iE 'verify|error|bad' /tmp/soak-"$dev".log | head -n3)"
+            fi
+        done
+        emit "BLKPLANE-INFO soak-round $rounds $section $RW=$verdict1 $RW2=$verdict2 in $(($(date +%s) - r0))s, kernel I/O errors $(io_errors)"
+        set -- $(marker_at $STOP_SECTOR)
+        [ "$1" = BLKPLANE-STOP ] && [ "$2" = "$NONCE" ] && seen=1
+    done
+    want_size=$3
+    e1=$(io_errors)
+    [ $bad = 0 ] && [ $rounds -ge 2 ]
+    verdict $? soak-io "$rounds fio write+verify rounds on $RW and $RW2 in $(($(date +%s) - t0))s, $bad failed"
+    [ "$e1" = "$e0" ]
+    verdict $? soak-kernel-errors "kernel I/O errors $e0 -> $e1 $(dmesg | grep -E 'I/O error' | tail -n1)"
+    size=$(($(cat "/sys/block/$RW2/size") * 512))
+    size64=$(blockdev --getsize64 "/dev/$RW2")
+    [ "$size" = "$want_size" ] && [ "$size64" = "$want_size" ]
+    verdict $? soak-resize "$RW2 size=$size getsize64=$size64 want $want_size ($(dmesg | grep -c 'new size') capacity changes in the kernel log)"
+    finish
+}
+
 # ---- the run ----------------------------------------------------------------------------------
 
 [ "$MODE" = migrate ] && migration_run
+[ "$MODE" = soak ] && soak_run
 
 if [ "$BOOT" = 1 ]; then
     fio_checks

@@ -3,7 +3,9 @@
 //!
 //! Each call opens its own connection; every read is bounded by [`TIMEOUT`].
 
+use std::fs::File;
 use std::io::{Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -22,6 +24,16 @@ pub fn call(
     socket: &Path,
     request: frontend_request::Request,
 ) -> Result<frontend_response::Response, String> {
+    call_with_file(socket, request, None)
+}
+
+/// Like [`call`], with `attached` sent along with the request (SCM_RIGHTS), as blkplaned sends
+/// a throttle group's state file.
+pub fn call_with_file(
+    socket: &Path,
+    request: frontend_request::Request,
+    attached: Option<&File>,
+) -> Result<frontend_response::Response, String> {
     let io = |e: std::io::Error| format!("admin socket {}: {e}", socket.display());
     let mut stream = UnixStream::connect(socket).map_err(io)?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(io)?;
@@ -31,7 +43,12 @@ pub fn call(
     .encode_to_vec();
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
-    stream.write_all(&frame).map_err(io)?;
+    let sent = match attached {
+        Some(file) => blkplane_proto::control::send_with_fd(stream.as_fd(), &frame, file.as_fd())
+            .map_err(io)?,
+        None => 0,
+    };
+    stream.write_all(&frame[sent..]).map_err(io)?;
     let mut len = [0u8; 4];
     stream.read_exact(&mut len).map_err(io)?;
     let mut buf = vec![0u8; u32::from_le_bytes(len) as usize];

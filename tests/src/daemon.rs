@@ -38,6 +38,13 @@ pub fn cmdline(pid: u32) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The `comm` (name) of `pid`, if it runs.
+pub fn comm(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim_end().to_string())
+}
+
 /// Live processes with an argument starting with `prefix`.
 pub fn processes_with_arg_prefix(prefix: &str) -> Vec<u32> {
     let mut pids: Vec<u32> = std::fs::read_dir("/proc")
@@ -278,9 +285,13 @@ impl Daemon {
         }
     }
 
-    /// Frontends serving this daemon's disks (by their admin socket's directory).
+    /// Frontends serving this daemon's disks (by their admin socket's directory; not their
+    /// iothread spawners, forks that share their command line).
     pub fn frontends(&self) -> Vec<u32> {
         processes_with_arg_prefix(&format!("--admin-socket={}/", self.disks_dir().display()))
+            .into_iter()
+            .filter(|&pid| comm(pid).as_deref() != Some(crate::frontend::SPAWNER_COMM))
+            .collect()
     }
 
     /// The disk ids in the persisted state, read from the file itself.

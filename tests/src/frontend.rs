@@ -213,8 +213,8 @@ impl Drop for Frontend {
             // children (all started on our behalf) and finally the frontend itself.
             // SAFETY: plain syscalls on a pid we spawned and have not reaped yet.
             unsafe { libc::kill(pid, libc::SIGSTOP) };
-            for (child, _, _) in children_of(pid as u32) {
-                // SAFETY: as above; the process is a child of our (stopped) child.
+            for child in descendants_of(pid as u32) {
+                // SAFETY: as above; the process descends from our (stopped) child.
                 unsafe { libc::kill(child as libc::pid_t, libc::SIGKILL) };
             }
             let _ = self.child.kill();
@@ -314,13 +314,35 @@ fn parse_stat(stat: &str) -> Option<(String, char, u32)> {
     Some((comm, state, ppid))
 }
 
-/// The live (not zombie, not dead) `blkplane-iothread` children of frontend `pid`.
+/// The spawner's `comm` (frontend/src/spawner.rs): the frontend's child that starts its
+/// iothreads.
+pub const SPAWNER_COMM: &str = "blkplane-spawn";
+
+/// The live (not zombie, not dead) `blkplane-iothread` processes of frontend `pid`: the
+/// children of its spawner.
 pub fn iothread_pids(pid: u32) -> Vec<u32> {
     children_of(pid)
         .into_iter()
+        .filter(|(_, comm, _)| comm == SPAWNER_COMM)
+        .flat_map(|(spawner, _, _)| children_of(spawner))
         .filter(|(_, comm, state)| comm == IOTHREAD_COMM && !matches!(state, 'Z' | 'X' | 'x'))
         .map(|(p, _, _)| p)
         .collect()
+}
+
+/// Every descendant of `pid` (children first, then theirs).
+pub fn descendants_of(pid: u32) -> Vec<u32> {
+    let mut found: Vec<u32> = Vec::new();
+    let mut next = 0;
+    let mut parents = vec![pid];
+    while let Some(&parent) = parents.get(next) {
+        for (child, _, _) in children_of(parent) {
+            found.push(child);
+            parents.push(child);
+        }
+        next += 1;
+    }
+    found
 }
 
 /// Sends SIGKILL to `iothread` if it still is an iothread child of `frontend` (so a recycled

@@ -25,6 +25,7 @@ pub mod guest;
 pub mod json;
 pub mod qmp;
 pub mod raw;
+pub mod soak;
 pub mod wire;
 
 use std::fs::File;

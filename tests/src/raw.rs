@@ -645,6 +645,46 @@ impl RawDevice {
         self.queues[q].kick.write(1).unwrap();
     }
 
+    /// Sets queue `q` up again from scratch (empty rings, index 0, new kick and call
+    /// eventfds), as a VMM does after a device reset. No SET_VRING_ERR: QEMU sends that once
+    /// per connection.
+    pub fn restart_queue(&mut self, q: usize) -> Result<(), vhost::Error> {
+        let size = self.queues[q].size;
+        let fresh = SplitQueue::new(q, size);
+        self.mem.fill(fresh.avail, 6 + 2 * size as usize, 0);
+        self.mem.fill(fresh.used, 6 + 8 * size as usize, 0);
+        self.fe.set_vring_num(q, size)?;
+        self.fe.set_vring_addr(
+            q,
+            &VringConfigData {
+                queue_max_size: size,
+                queue_size: size,
+                flags: 0,
+                desc_table_addr: self.mem.host_addr(fresh.desc),
+                used_ring_addr: self.mem.host_addr(fresh.used),
+                avail_ring_addr: self.mem.host_addr(fresh.avail),
+                log_addr: None,
+            },
+        )?;
+        self.fe.set_vring_base(q, 0)?;
+        self.fe.set_vring_call(q, &fresh.call)?;
+        self.fe.set_vring_kick(q, &fresh.kick)?;
+        if self.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
+            self.fe.set_vring_enable(q, true)?;
+        }
+        self.queues[q] = fresh;
+        Ok(())
+    }
+
+    /// Publishes avail index `idx` on queue `q` with nothing behind it, and kicks: an index
+    /// more than a ring ahead breaks the ring.
+    pub fn publish_avail_index(&mut self, q: usize, idx: u16) {
+        let vq = &self.queues[q];
+        self.mem.write_u16(vq.avail + 2, idx);
+        fence(Ordering::SeqCst);
+        vq.kick.write(1).unwrap();
+    }
+
     /// Waits up to `timeout` for the next used entry of queue `q`.
     pub fn wait_used(&mut self, q: usize, timeout: Duration) -> Option<Used> {
         let deadline = Instant::now() + timeout;

@@ -7,12 +7,15 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::time::Duration;
 
 use blkplane_tests::client::check_fresh_connection;
+use blkplane_tests::raw::RawDevice;
 use blkplane_tests::wire::{
     header, mem_table_body, single_region_body, vring_state_body, Body, RawConn, Region, Reply,
     FLAGS_VERSION_1, REPLY_TIMEOUT,
 };
 use blkplane_tests::*;
 use vhost::vhost_user::message::{FrontendReq, VhostUserHeaderFlag};
+use vhost::vhost_user::VhostUserFrontend;
+use vhost::VhostBackend;
 use vmm_sys_util::eventfd::EventFd;
 
 const MIB: u64 = 1 << 20;
@@ -678,5 +681,28 @@ fn no_fd_leaks_after_bad_connections() {
             fe.fd_targets()
         ),
     }
+    fe.finish();
+}
+
+/// A broken ring signals its error eventfd, also after the driver reset the device: QEMU
+/// sends SET_VRING_ERR once per connection, then RESET_DEVICE and a new ring set-up (without
+/// it) whenever the guest driver resets the device.
+#[test]
+fn a_broken_ring_signals_its_error_eventfd_also_after_a_reset() {
+    let (_dir, fe) = start("vring-err");
+    let mut dev = RawDevice::connect(fe.socket(), 1, 256).expect("raw connect");
+    let err = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    dev.fe.set_vring_err(0, &err).unwrap();
+    dev.fe.reset_device().expect("RESET_DEVICE");
+    dev.restart_queue(0).unwrap();
+    // An avail index more than a ring ahead of the used index breaks the ring.
+    dev.publish_avail_index(0, 300);
+    let signalled = wait_for(Duration::from_secs(10), || err.read().ok());
+    assert!(
+        signalled.is_some(),
+        "the broken ring did not signal its error eventfd"
+    );
+    drop(dev);
+    check_fresh_connection(fe.socket(), 0, 3);
     fe.finish();
 }

@@ -34,7 +34,8 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use blkplane_tests::daemon::{alive, kill, processes_with_arg_prefix};
+use blkplane_tests::daemon::{alive, comm, kill, processes_with_arg_prefix};
+use blkplane_tests::frontend::SPAWNER_COMM;
 use blkplane_tests::json::Json;
 use blkplane_tests::{binaries, create_image, pattern, read_file_at, wait_for, Client, TempDir};
 
@@ -783,8 +784,12 @@ impl Running {
         String::from_utf8_lossy(&std::fs::read(&self.log).unwrap_or_default()).into_owned()
     }
 
+    /// The frontends (not their iothread spawners, which share their command line).
     fn frontends(&self) -> Vec<u32> {
         processes_with_arg_prefix(&format!("--admin-socket={}/", self.disks_dir.display()))
+            .into_iter()
+            .filter(|&pid| comm(pid).as_deref() != Some(SPAWNER_COMM))
+            .collect()
     }
 
     /// SIGTERM; the exit status within [`TIMEOUT`].
