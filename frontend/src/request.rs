@@ -9,7 +9,9 @@
 
 use std::mem::size_of;
 
-use blkplane_proto::ring::{Segment, SlotTable, RANGE_FLAG_UNMAP};
+use blkplane_proto::ring::{
+    Opcode, Segment, SlotHeader, SlotTable, RANGE_FLAG_UNMAP, SLOT_FLAG_SYNC,
+};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH,
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
@@ -207,6 +209,39 @@ impl Request {
             RequestKind::GetId => SERIAL_LEN as u32 + 1,
             _ => 1,
         }
+    }
+
+    /// What the iothread runs for this request: its opcode and slot header (SYNC on
+    /// modifying requests unless the disk caches writes). `None` for what is answered without
+    /// it: GET_ID and reads or writes of no data.
+    pub fn slot_header(&self, writeback: bool) -> Option<(Opcode, SlotHeader)> {
+        let (opcode, image_offset) = match self.kind {
+            RequestKind::GetId => return None,
+            RequestKind::Read { .. } | RequestKind::Write { .. } if self.data_len == 0 => {
+                return None
+            }
+            RequestKind::Read { offset } => (Opcode::Read, offset),
+            RequestKind::Write { offset } => (Opcode::Write, offset),
+            RequestKind::Flush => (Opcode::Flush, 0),
+            RequestKind::Discard => (Opcode::Discard, 0),
+            RequestKind::WriteZeroes => (Opcode::WriteZeroes, 0),
+        };
+        let modifies = matches!(
+            opcode,
+            Opcode::Write | Opcode::Discard | Opcode::WriteZeroes
+        );
+        let header = SlotHeader {
+            opcode: opcode as u32,
+            flags: if modifies && !writeback {
+                SLOT_FLAG_SYNC
+            } else {
+                0
+            },
+            image_offset,
+            segment_count: self.segments,
+            reserved: 0,
+        };
+        Some((opcode, header))
     }
 }
 

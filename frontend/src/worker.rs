@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use blkplane_proto::ring::{Completion, Opcode, SlotHeader, SLOT_FLAG_SYNC};
+use blkplane_proto::ring::{Completion, Opcode};
 use log::{error, info, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use virtio_queue::desc::split::Descriptor;
@@ -711,50 +711,29 @@ impl Worker {
                 return self.complete_now(local, head, status, used, mem);
             }
         };
-        let (opcode, image_offset) = match request.kind {
-            RequestKind::GetId => {
-                let status = match request::write_stream(mem, &self.scratch, &self.disk.serial) {
-                    Ok(()) => VIRTIO_BLK_S_OK as u8,
-                    Err(_) => VIRTIO_BLK_S_IOERR as u8,
-                };
-                if let Some(log) = &self.dirty_log {
-                    for d in self.scratch.iter().filter(|d| d.is_write_only()) {
-                        log.mark(d.addr().0, u64::from(d.len()));
-                    }
-                }
-                let used = request.used_len();
-                if let Some(counters) = self.counters(local) {
-                    counters.answered(u32::from(status) == VIRTIO_BLK_S_OK);
-                }
-                return self.complete_now(local, head, Some((request.status, status)), used, mem);
-            }
-            RequestKind::Read { .. } | RequestKind::Write { .. } if request.data_len == 0 => {
+        let Some((opcode, header)) = request.slot_header(self.disk.writeback()) else {
+            // GET_ID and reads or writes of no data are answered here, without the iothread.
+            if request.kind != RequestKind::GetId {
                 if let Some(counters) = self.counters(local) {
                     counters.answered(true);
                 }
                 let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
                 return self.complete_now(local, head, ok, 1, mem);
             }
-            RequestKind::Read { offset } => (Opcode::Read, offset),
-            RequestKind::Write { offset } => (Opcode::Write, offset),
-            RequestKind::Flush => (Opcode::Flush, 0),
-            RequestKind::Discard => (Opcode::Discard, 0),
-            RequestKind::WriteZeroes => (Opcode::WriteZeroes, 0),
-        };
-        let modifies = matches!(
-            opcode,
-            Opcode::Write | Opcode::Discard | Opcode::WriteZeroes
-        );
-        let header = SlotHeader {
-            opcode: opcode as u32,
-            flags: if modifies && !self.disk.writeback() {
-                SLOT_FLAG_SYNC
-            } else {
-                0
-            },
-            image_offset,
-            segment_count: request.segments,
-            reserved: 0,
+            let status = match request::write_stream(mem, &self.scratch, &self.disk.serial) {
+                Ok(()) => VIRTIO_BLK_S_OK as u8,
+                Err(_) => VIRTIO_BLK_S_IOERR as u8,
+            };
+            if let Some(log) = &self.dirty_log {
+                for d in self.scratch.iter().filter(|d| d.is_write_only()) {
+                    log.mark(d.addr().0, u64::from(d.len()));
+                }
+            }
+            let used = request.used_len();
+            if let Some(counters) = self.counters(local) {
+                counters.answered(u32::from(status) == VIRTIO_BLK_S_OK);
+            }
+            return self.complete_now(local, head, Some((request.status, status)), used, mem);
         };
         // Reads and writes within the I/O limits go now; the rest wait, slot filled, until
         // the throttle timer lets them go (a test of `None` when there are no limits).

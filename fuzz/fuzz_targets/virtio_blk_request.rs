@@ -24,7 +24,7 @@ use blkplane_frontend::vhost_user::used_ring_overlap;
 use blkplane_fuzz::blk::{self, Input};
 use blkplane_iothread::request::{ImageRange, Request as IoRequest};
 use blkplane_iothread::slot::{SlotState, Step};
-use blkplane_proto::ring::{Opcode, SharedRing, SlotHeader, SlotTable, SLOT_FLAG_SYNC};
+use blkplane_proto::ring::{SharedRing, SlotTable};
 use libfuzzer_sys::fuzz_target;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::desc::split::Descriptor;
@@ -244,39 +244,18 @@ fn handle_chain(
         "status outside memory"
     );
     assert!(request.segments <= disk.segments_per_slot());
-    let (opcode, image_offset) = match request.kind {
-        RequestKind::GetId => {
-            let status = match request::write_stream(mem, &f.scratch, &disk.serial) {
-                Ok(()) => VIRTIO_BLK_S_OK as u8,
-                Err(_) => VIRTIO_BLK_S_IOERR as u8,
-            };
-            let used = request.used_len();
-            return complete_now(mem, queue, head, Some((request.status, status)), used);
-        }
-        RequestKind::Read { .. } | RequestKind::Write { .. } if request.data_len == 0 => {
+    // The worker's hand-over: what is answered without the iothread, or the slot header.
+    let Some((_, header)) = request.slot_header(disk.writeback()) else {
+        if request.kind != RequestKind::GetId {
             let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
             return complete_now(mem, queue, head, ok, 1);
         }
-        RequestKind::Read { offset } => (Opcode::Read, offset),
-        RequestKind::Write { offset } => (Opcode::Write, offset),
-        RequestKind::Flush => (Opcode::Flush, 0),
-        RequestKind::Discard => (Opcode::Discard, 0),
-        RequestKind::WriteZeroes => (Opcode::WriteZeroes, 0),
-    };
-    let modifies = matches!(
-        opcode,
-        Opcode::Write | Opcode::Discard | Opcode::WriteZeroes
-    );
-    let header = SlotHeader {
-        opcode: opcode as u32,
-        flags: if modifies && !disk.writeback() {
-            SLOT_FLAG_SYNC
-        } else {
-            0
-        },
-        image_offset,
-        segment_count: request.segments,
-        reserved: 0,
+        let status = match request::write_stream(mem, &f.scratch, &disk.serial) {
+            Ok(()) => VIRTIO_BLK_S_OK as u8,
+            Err(_) => VIRTIO_BLK_S_IOERR as u8,
+        };
+        let used = request.used_len();
+        return complete_now(mem, queue, head, Some((request.status, status)), used);
     };
     f.slots
         .set_header(slot, header)
