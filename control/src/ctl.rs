@@ -234,6 +234,11 @@ pub fn disk_json(d: &Disk) -> Value {
             "iothread_cpus": c.iothread_cpus,
             "vhost_socket": c.vhost_socket,
             "incoming_for": c.incoming_for,
+            "run_as": c.run_as.as_ref().map(|r| json!({
+                "uid": r.uid,
+                "gid": r.gid,
+                "groups": r.groups,
+            })).unwrap_or(Value::Null),
         },
         "queues": d.queues.iter().map(queue_status_json).collect::<Vec<_>>(),
         "throttle": d.throttle.as_ref().map(throttle_json).unwrap_or(Value::Null),
@@ -376,6 +381,23 @@ pub fn disk_detail(d: &Disk) -> String {
                 "any".into()
             } else {
                 c.iothread_cpus.clone()
+            },
+        ),
+        (
+            "run as",
+            match &c.run_as {
+                None => "blkplaned's user".into(),
+                Some(r) if r.groups.is_empty() => format!("uid {} gid {}", r.uid, r.gid),
+                Some(r) => format!(
+                    "uid {} gid {} groups {}",
+                    r.uid,
+                    r.gid,
+                    r.groups
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
             },
         ),
         ("frontend pid", pid_or_dash(d.frontend_pid)),

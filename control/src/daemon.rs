@@ -239,6 +239,7 @@ impl Daemon {
                 disks_dir,
                 socket_dirs: config.socket_dirs,
                 image_dirs: config.image_dirs,
+                can_run_as: validate::can_run_disks_as_other_users(),
             },
             state_dir,
             runtime_dir,

@@ -133,6 +133,33 @@ pub struct DiskSpec {
     /// over (then `None`). Absent in files written before live migration existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incoming_for: Option<String>,
+    /// The user the disk's processes run as (AddDiskRequest `run_as`); `None`: blkplaned's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as: Option<RunAsSpec>,
+}
+
+/// A disk's configured user, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunAsSpec {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Supplementary groups.
+    #[serde(default)]
+    pub groups: Vec<u32>,
+}
+
+impl RunAsSpec {
+    /// The frontend's `--run-as` value.
+    pub fn to_arg(&self) -> String {
+        blkplane_sandbox::RunAs {
+            uid: self.uid,
+            gid: self.gid,
+            groups: self.groups.clone(),
+        }
+        .to_string()
+    }
 }
 
 impl DiskSpec {
@@ -151,6 +178,11 @@ impl DiskSpec {
             iothread_cpus: self.iothread_cpus.clone(),
             vhost_socket: self.vhost_socket.to_string_lossy().into_owned(),
             incoming_for: self.incoming_for.clone().unwrap_or_default(),
+            run_as: self.run_as.as_ref().map(|r| pb::RunAs {
+                uid: r.uid,
+                gid: r.gid,
+                groups: r.groups.clone(),
+            }),
         }
     }
 }
@@ -396,6 +428,7 @@ mod tests {
             iothread_cpus: "0-1".into(),
             vhost_socket: PathBuf::from(format!("/run/{id}.sock")),
             incoming_for: None,
+            run_as: None,
         }
     }
 
@@ -498,6 +531,31 @@ mod tests {
         assert_eq!(text.matches("incoming_for").count(), 1, "{text}");
         assert_eq!(state.disks[1].spec.to_pb().incoming_for, "a");
         assert_eq!(state.disks[0].spec.to_pb().incoming_for, "");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn run_as_is_persisted_and_shown() {
+        let dir = tmp("run-as");
+        let store = StateStore::new(&dir);
+        let mut b = stored("b");
+        b.spec.run_as = Some(RunAsSpec {
+            uid: 107,
+            gid: 107,
+            groups: vec![36],
+        });
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![stored("a"), b],
+        };
+        store.save(&state).unwrap();
+        assert_eq!(store.load().unwrap(), state);
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        // Written for that disk only; a file without it reads as blkplaned's user.
+        assert_eq!(text.matches("run_as").count(), 1, "{text}");
+        let shown = state.disks[1].spec.to_pb().run_as.unwrap();
+        assert_eq!((shown.uid, shown.gid, shown.groups), (107, 107, vec![36]));
+        assert_eq!(state.disks[0].spec.to_pb().run_as, None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -343,6 +343,9 @@ pub fn frontend_args(spec: &DiskSpec, paths: &DiskPaths, drained: bool) -> Vec<O
     if !spec.iothread_cpus.is_empty() {
         opt("iothread-cpus", &spec.iothread_cpus);
     }
+    if let Some(run_as) = &spec.run_as {
+        opt("run-as", &run_as.to_arg());
+    }
     if spec.read_only {
         args.push("--read-only".into());
     }
@@ -1459,6 +1462,7 @@ mod tests {
             iothread_cpus: "0-1".into(),
             vhost_socket: "/run/d.sock".into(),
             incoming_for: None,
+            run_as: None,
         }
     }
 
@@ -1488,6 +1492,17 @@ mod tests {
         assert_eq!(identity_arg(&paths), "--admin-socket=/run/bp/disks/d.admin");
         let drained = frontend_args(&spec(), &paths, true);
         assert_eq!(drained.last().unwrap(), "--drained");
+        let mut other_user = spec();
+        other_user.run_as = Some(crate::state::RunAsSpec {
+            uid: 107,
+            gid: 108,
+            groups: vec![36, 995],
+        });
+        let args = frontend_args(&other_user, &paths, false);
+        assert!(
+            args.iter().any(|a| a == "--run-as=107:108:36,995"),
+            "{args:?}"
+        );
     }
 
     #[test]

@@ -13,9 +13,9 @@ use blkplane_proto::v1::ThrottleLimits;
 use thiserror::Error;
 
 use crate::migration::{self, reason_name};
-use crate::pb::{AddDiskRequest, CacheMode, MigrationBlockerReason};
+use crate::pb::{AddDiskRequest, CacheMode, MigrationBlockerReason, RunAs};
 use crate::proc;
-use crate::state::{Cache, DiskSpec, OperatorReason};
+use crate::state::{Cache, DiskSpec, OperatorReason, RunAsSpec};
 use crate::throttle;
 
 /// Longest disk id.
@@ -118,6 +118,53 @@ pub struct Context {
     /// If not empty, images must be inside one of these directories (after resolving
     /// symlinks).
     pub image_dirs: Vec<PathBuf>,
+    /// Whether blkplaned may run disks as other users (AddDiskRequest `run_as`): it has the
+    /// capabilities a frontend needs for that (see [`can_run_disks_as_other_users`]).
+    pub can_run_as: bool,
+}
+
+/// The capabilities a frontend started with `--run-as` uses before it switches:
+/// CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_SETGID (6), CAP_SETUID (7) of
+/// <linux/capability.h>, as a CapEff mask.
+const RUN_AS_CAPABILITIES: u64 = 1 << 0 | 1 << 1 | 1 << 6 | 1 << 7;
+
+/// Whether this process has every capability a frontend needs to run as another user (it
+/// inherits them from blkplaned), read from /proc/self/status.
+pub fn can_run_disks_as_other_users() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(hex.trim(), 16).ok()
+        })
+        .is_some_and(|effective| effective & RUN_AS_CAPABILITIES == RUN_AS_CAPABILITIES)
+}
+
+/// Checks AddDiskRequest `run_as`.
+fn check_run_as(run_as: &RunAs, ctx: &Context) -> Result<RunAsSpec, ValidationError> {
+    use blkplane_sandbox::RunAsError;
+    blkplane_sandbox::RunAs::new(run_as.uid, run_as.gid, run_as.groups.clone()).map_err(|e| {
+        let field = match e {
+            RunAsError::Root | RunAsError::Unchanged("uid") => "run_as.uid",
+            RunAsError::Unchanged("gid") => "run_as.gid",
+            _ => "run_as.groups",
+        };
+        invalid(field, e.to_string())
+    })?;
+    if !ctx.can_run_as {
+        return Err(ValidationError::FailedPrecondition {
+            field: "run_as",
+            reason: "blkplaned lacks CAP_SETUID, CAP_SETGID, CAP_CHOWN or CAP_DAC_OVERRIDE, \
+                     so its disks run as its own user; run it as root to give disks users of \
+                     their own"
+                .into(),
+        });
+    }
+    Ok(RunAsSpec {
+        uid: run_as.uid,
+        gid: run_as.gid,
+        groups: run_as.groups.clone(),
+    })
 }
 
 /// Checks a disk id: 1..=64 characters of `[A-Za-z0-9._-]`, not starting with '.' (so that it
@@ -658,6 +705,11 @@ pub fn check_add(
     if !iothread_cpus.is_empty() {
         check_cpu_list(&iothread_cpus)?;
     }
+    let run_as = req
+        .run_as
+        .as_ref()
+        .map(|r| check_run_as(r, ctx))
+        .transpose()?;
     let identity = check_image(&req.image, block_size, &ctx.image_dirs)?;
     let vhost_socket = resolve_vhost_socket(&req.vhost_socket, &req.id, ctx)?;
 
@@ -675,6 +727,7 @@ pub fn check_add(
         iothread_cpus,
         vhost_socket,
         incoming_for: (!req.incoming_for.is_empty()).then(|| req.incoming_for.clone()),
+        run_as,
     };
     Ok((spec, identity))
 }
@@ -778,6 +831,7 @@ mod tests {
             disks_dir,
             socket_dirs: Vec::new(),
             image_dirs: Vec::new(),
+            can_run_as: true,
         }
     }
 
@@ -796,6 +850,57 @@ mod tests {
 
     fn field_of(r: Result<(DiskSpec, ImageIdentity), ValidationError>) -> &'static str {
         r.expect_err("expected an error").field()
+    }
+
+    #[test]
+    fn run_as() {
+        let tmp = Tmp::new("run-as");
+        let mut c = ctx(&tmp);
+        let base = request(&tmp);
+        let with = |run_as: RunAs, c: &Context| {
+            let mut r = base.clone();
+            r.run_as = Some(run_as);
+            check_add(&r, c)
+        };
+        let user = |uid, gid, groups: &[u32]| RunAs {
+            uid,
+            gid,
+            groups: groups.to_vec(),
+        };
+        let spec = with(user(107, 107, &[36]), &c).unwrap().0;
+        assert_eq!(
+            spec.run_as,
+            Some(RunAsSpec {
+                uid: 107,
+                gid: 107,
+                groups: vec![36]
+            })
+        );
+        assert_eq!(spec.run_as.unwrap().to_arg(), "107:107:36");
+        assert_eq!(check_add(&base, &c).unwrap().0.run_as, None);
+        assert_eq!(field_of(with(user(0, 107, &[]), &c)), "run_as.uid");
+        assert_eq!(field_of(with(user(u32::MAX, 107, &[]), &c)), "run_as.uid");
+        assert_eq!(field_of(with(user(107, u32::MAX, &[]), &c)), "run_as.gid");
+        assert_eq!(
+            field_of(with(user(107, 107, &[u32::MAX]), &c)),
+            "run_as.groups"
+        );
+        assert_eq!(
+            field_of(with(user(107, 107, &[1; 33]), &c)),
+            "run_as.groups"
+        );
+        c.can_run_as = false;
+        let refused = with(user(107, 107, &[]), &c).unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                ValidationError::FailedPrecondition {
+                    field: "run_as",
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
     }
 
     #[test]

@@ -74,6 +74,12 @@ struct Args {
     /// restarts the frontend of a drained disk this way).
     #[arg(long, requires = "admin_socket")]
     drained: bool,
+    /// Serve as this user, group and supplementary groups (numeric, `UID:GID[:GROUP,...]`;
+    /// needs root). The image is opened, the sockets bound and the iothread spawner forked
+    /// first; then every process of the disk switches to it, and the vhost-user socket is
+    /// handed to it, so a VMM running as that user can connect.
+    #[arg(long, value_name = "UID:GID[:GROUP,...]")]
+    run_as: Option<blkplane_sandbox::RunAs>,
 }
 
 /// How long a starting frontend waits for the processes of a previous one on the same socket.
@@ -103,11 +109,16 @@ fn main() -> ExitCode {
         error!("closing inherited descriptors: {e}");
         return ExitCode::FAILURE;
     }
-    if let Err(e) = blkplane_sandbox::drop_capabilities() {
+    // Parsing opens nothing and starts no thread.
+    let args = Args::parse();
+    let dropped = match args.run_as {
+        None => blkplane_sandbox::drop_capabilities(),
+        Some(_) => blkplane_sandbox::keep_only_identity_capabilities(),
+    };
+    if let Err(e) = dropped {
         error!("{e}");
         return ExitCode::FAILURE;
     }
-    let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -154,7 +165,12 @@ fn run(args: Args) -> Result<(), String> {
         socket_lock::acquire(&args.socket, SOCKET_LOCK_TIMEOUT).map_err(|e| e.to_string())?;
     // Forked while this process still has one thread; it keeps the lock for the iothreads.
     let spawner = Arc::new(
-        Spawner::start(&iothread_binary, &[socket_lock.as_raw_fd()]).map_err(|e| e.to_string())?,
+        Spawner::start(
+            &iothread_binary,
+            &[socket_lock.as_raw_fd()],
+            args.run_as.as_ref(),
+        )
+        .map_err(|e| e.to_string())?,
     );
     // More iothreads than queues would idle.
     let iothreads = args.iothreads.min(args.num_queues);
@@ -223,6 +239,13 @@ fn run(args: Args) -> Result<(), String> {
     }
     let listener = Listener::new(&args.socket, true)
         .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
+    if let Some(run_as) = &args.run_as {
+        // The VMM runs as the disk's user, and connect() needs write permission.
+        std::os::unix::fs::chown(&args.socket, Some(run_as.uid), Some(run_as.gid))
+            .map_err(|e| format!("cannot hand {} to {run_as}: {e}", args.socket.display()))?;
+        blkplane_sandbox::switch_identity(run_as).map_err(|e| e.to_string())?;
+        info!("running as {run_as}");
+    }
     // Everything that needs a path or a new process is done: from here on the frontend only
     // serves (see blkplane-sandbox for what its filter allows).
     #[cfg(debug_assertions)]

@@ -128,8 +128,14 @@ impl Spawner {
     /// Forks the spawner, which execs `binary` for every request. Must be called while the
     /// frontend has a single thread (the child runs Rust code after the fork). `keep` are
     /// descriptors the spawner and every iothread keep open (the socket lock); everything
-    /// else the frontend has open is closed in the spawner.
-    pub fn start(binary: &Path, keep: &[RawFd]) -> Result<Self, SpawnerError> {
+    /// else the frontend has open is closed in the spawner. With `run_as`, the spawner switches
+    /// to that user before it serves (needs CAP_SETUID and CAP_SETGID), so every iothread
+    /// starts as it.
+    pub fn start(
+        binary: &Path,
+        keep: &[RawFd],
+        run_as: Option<&blkplane_sandbox::RunAs>,
+    ) -> Result<Self, SpawnerError> {
         let program = CString::new(OsString::from(binary).into_vec())
             .map_err(|e| SpawnerError::Start(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
         let argv = Argv::new(&program).map_err(SpawnerError::Start)?;
@@ -143,7 +149,7 @@ impl Spawner {
         if pid == 0 {
             drop(ours);
             let parent = std::os::unix::process::parent_id();
-            let code = match prepare(parent, theirs.as_raw_fd(), keep) {
+            let code = match prepare(parent, theirs.as_raw_fd(), keep, run_as) {
                 Ok(()) => serve(&theirs, &argv),
                 Err(e) => {
                     error!("iothread spawner: {e}");
@@ -258,10 +264,19 @@ impl Argv {
 
 /// The spawner's set-up: die with the frontend, close what it does not need, watch for its
 /// children's exits, lock down.
-fn prepare(parent: u32, socket: RawFd, keep: &[RawFd]) -> io::Result<()> {
+fn prepare(
+    parent: u32,
+    socket: RawFd,
+    keep: &[RawFd],
+    run_as: Option<&blkplane_sandbox::RunAs>,
+) -> io::Result<()> {
     // Its own name in ps and /proc/PID/comm (the command line stays the frontend's).
     // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
     unsafe { libc::prctl(libc::PR_SET_NAME, c"blkplane-spawn".as_ptr()) };
+    // Before the death signal is armed: a change of credentials clears it.
+    if let Some(run_as) = run_as {
+        blkplane_sandbox::switch_identity(run_as).map_err(io::Error::other)?;
+    }
     // SAFETY: PR_SET_PDEATHSIG takes a signal number.
     if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } < 0 {
         return Err(io::Error::last_os_error());

@@ -69,7 +69,7 @@ fn device() -> Device {
     let status = Arc::new(DeviceStatus::new(vhost::NUM_QUEUES, 1));
     let channel = Arc::new(BackendChannel::default());
     // Forked here, in libFuzzer's initialization, while the process has one thread.
-    let spawner = Arc::new(Spawner::start(&binary, &[]).expect("iothread spawner"));
+    let spawner = Arc::new(Spawner::start(&binary, &[], None).expect("iothread spawner"));
     let link = IothreadLink::new(
         0,
         spawner,

@@ -55,11 +55,26 @@ fn drop_bounding_set() -> Result<(), SandboxError> {
     Ok(())
 }
 
+/// Capability numbers of <linux/capability.h> (the libc crate has none).
+pub(crate) const CAP_CHOWN: u32 = 0;
+/// See [`CAP_CHOWN`].
+pub(crate) const CAP_DAC_OVERRIDE: u32 = 1;
+/// See [`CAP_CHOWN`].
+pub(crate) const CAP_SETGID: u32 = 6;
+/// See [`CAP_CHOWN`].
+pub(crate) const CAP_SETUID: u32 = 7;
+
 /// Drops every capability of the calling process and sets `no_new_privs`. The bounding and
 /// ambient sets are the process's, but the effective, permitted and inheritable sets are each
 /// thread's own: call this first thing in `main`, before any thread starts (threads inherit
 /// the empty sets).
 pub fn drop_capabilities() -> Result<(), SandboxError> {
+    drop_all_but(&[])
+}
+
+/// [`drop_capabilities`], except that `keep` stays in the effective and permitted sets (if it
+/// was there).
+pub(crate) fn drop_all_but(keep: &[u32]) -> Result<(), SandboxError> {
     // Dropping from the bounding set needs CAP_SETPCAP. A process without it (an unprivileged
     // uid, as in the Helm chart) cannot empty its bounding set, nor does it need to: it has no
     // capability to lose, and `no_new_privs` (below) keeps execve from granting any.
@@ -77,11 +92,18 @@ pub fn drop_capabilities() -> Result<(), SandboxError> {
     if rc < 0 {
         return Err(failed("PR_CAP_AMBIENT_CLEAR_ALL"));
     }
+    let current = capget()?;
     let mut header = CapHeader {
         version: CAPABILITY_VERSION_3,
         pid: 0,
     };
-    let data = [CapData::default(); 2];
+    let mut data = [CapData::default(); 2];
+    for &cap in keep {
+        // Every number kept is below 32: the first word.
+        let bit = 1u32 << (cap % 32);
+        data[0].permitted |= current[0].permitted & bit;
+        data[0].effective |= current[0].permitted & bit;
+    }
     // SAFETY: capset reads a version-3 header and two data words, which is what we pass.
     if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } < 0 {
         return Err(failed("capset"));
@@ -93,4 +115,26 @@ pub fn drop_capabilities() -> Result<(), SandboxError> {
         return Err(failed("PR_SET_NO_NEW_PRIVS"));
     }
     Ok(())
+}
+
+/// Whether the calling thread has any capability left in its effective, permitted or
+/// inheritable set.
+pub(crate) fn any_left() -> Result<bool, SandboxError> {
+    Ok(capget()?
+        .iter()
+        .any(|d| d.effective | d.permitted | d.inheritable != 0))
+}
+
+/// The calling thread's capability sets.
+fn capget() -> Result<[CapData; 2], SandboxError> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget writes a version-3 header's two data words, which is what we pass.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } < 0 {
+        return Err(failed("capget"));
+    }
+    Ok(data)
 }

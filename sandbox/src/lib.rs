@@ -21,6 +21,7 @@
 
 mod caps;
 mod filters;
+mod identity;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -30,6 +31,9 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 use thiserror::Error;
 
 pub use caps::drop_capabilities;
+pub use identity::{
+    keep_only_identity_capabilities, switch_identity, RunAs, RunAsError, MAX_GROUPS,
+};
 
 /// The kind of process a filter is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +79,14 @@ pub enum SandboxError {
         profile: &'static str,
         /// What seccompiler said.
         source: seccompiler::Error,
+    },
+    /// The switch to a disk's configured user failed.
+    #[error("switching to the configured user: {what}: {source}")]
+    Identity {
+        /// The step that failed.
+        what: &'static str,
+        /// The OS error.
+        source: io::Error,
     },
     /// A capability could not be dropped.
     #[error("dropping capabilities: {what}: {source}")]

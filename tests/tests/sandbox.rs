@@ -215,3 +215,138 @@ fn a_forbidden_call_kills_a_frontend_which_blkplaned_restarts_saying_why() {
     );
     write_and_verify(&mut client, 2 * MIB, 4);
 }
+
+/// The user, group and supplementary group the disk of
+/// [`a_disk_runs_as_its_configured_user`] is given (107 is `qemu` in KubeVirt).
+const DISK_USER: (u32, u32, u32) = (107, 107, 36);
+
+/// Asserts that `pid` runs as [`DISK_USER`]: every uid and gid, and only that group.
+#[track_caller]
+fn assert_runs_as_disk_user(pid: u32, what: &str) {
+    let (uid, gid, group) = DISK_USER;
+    assert_eq!(
+        status_field(pid, "Uid"),
+        format!("{uid}\t{uid}\t{uid}\t{uid}"),
+        "{what} {pid}"
+    );
+    assert_eq!(
+        status_field(pid, "Gid"),
+        format!("{gid}\t{gid}\t{gid}\t{gid}"),
+        "{what} {pid}"
+    );
+    assert_eq!(
+        status_field(pid, "Groups"),
+        group.to_string(),
+        "{what} {pid}"
+    );
+}
+
+#[test]
+fn a_disk_runs_as_its_configured_user() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let images = TempDir::new("sandbox-img");
+    let img = create_image(&images.join("disk.img"), 16 * MIB);
+    // Only root may open it: the frontend opens it before it switches users.
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let d = Daemon::start("sandbox-user", &[]);
+    let (uid, gid, group) = DISK_USER;
+    let run_as = format!("{uid}:{gid}:{group}");
+    let add = [
+        "-o",
+        "json",
+        "disk",
+        "add",
+        "d0",
+        "--image",
+        img.to_str().unwrap(),
+        "--num-queues",
+        "2",
+        "--iothreads",
+        "2",
+        "--run-as",
+        &run_as,
+    ];
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        // Without root, blkplaned cannot give a disk another user, and says so.
+        d.ctl_refused(&add, "FAILED_PRECONDITION", "run_as");
+        return;
+    }
+    let added = Json::parse(&d.ctl_ok(&add));
+    let config = added.get("config").get("run_as");
+    assert_eq!(
+        (config.get("uid").u64(), config.get("gid").u64()),
+        (u64::from(uid), u64::from(gid)),
+        "{added:?}"
+    );
+    let socket = added.get("config").get("vhost_socket").str().to_string();
+    // A VMM running as the disk's user can connect: the socket is its.
+    let meta = std::fs::metadata(&socket).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), (uid, gid), "{socket}");
+
+    let frontend = added.get("frontend_pid").u64() as u32;
+    let mut client = Client::connect_with(
+        Path::new(&socket),
+        &ClientOptions {
+            num_queues: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for q in 0..2 {
+        let data = pattern(10 + q as u64, 64 * 1024);
+        client.queue(q).write_at(q as u64 * MIB, &data).unwrap();
+        client.queue(q).flush().unwrap();
+        assert_eq!(
+            client.queue(q).read_at(q as u64 * MIB, data.len()).unwrap(),
+            data
+        );
+    }
+    let j = d.wait_disk("d0", "two iothreads", |j| {
+        j.get("iothread_pids").arr().len() == 2
+    });
+    let iothreads: Vec<u32> = j
+        .get("iothread_pids")
+        .arr()
+        .iter()
+        .map(|p| p.u64() as u32)
+        .collect();
+    let spawner = spawner_of(frontend);
+    // Switching users left no capability behind, and the filters are in place.
+    for (pid, what, filters) in [(frontend, "frontend", 2), (spawner, "spawner", 2)]
+        .into_iter()
+        .chain(iothreads.iter().map(|&p| (p, "iothread", 4)))
+    {
+        assert_runs_as_disk_user(pid, what);
+        assert_locked_down(pid, what, filters);
+        assert_only_own_files(pid, what, &img);
+    }
+
+    // An iothread replaced after a crash starts as the disk's user too.
+    kill(iothreads[0], libc::SIGKILL);
+    let j = d.wait_disk("d0", "iothread replaced", |j| {
+        let pids = j.get("iothread_pids").arr();
+        pids.len() == 2 && !pids.iter().any(|p| p.u64() as u32 == iothreads[0])
+    });
+    for p in j.get("iothread_pids").arr() {
+        assert_runs_as_disk_user(p.u64() as u32, "replacement iothread");
+    }
+    write_and_verify(&mut client, 4 * MIB, 11);
+    drop(client);
+
+    // So does a frontend blkplaned restarts (the user is part of the stored configuration),
+    // and it reads back what its predecessor wrote.
+    kill(frontend, libc::SIGKILL);
+    let j = d.wait_disk("d0", "restarted", |j| {
+        j.get("state").str() == "ready" && j.get("frontend_pid").u64() as u32 != frontend
+    });
+    let restarted = j.get("frontend_pid").u64() as u32;
+    assert_runs_as_disk_user(restarted, "restarted frontend");
+    assert_locked_down(restarted, "restarted frontend", 2);
+    let mut client = Client::connect(Path::new(&socket)).unwrap();
+    assert_eq!(
+        client.queue(0).read_at(4 * MIB, 256 * 1024).unwrap(),
+        pattern(11, 256 * 1024)
+    );
+    write_and_verify(&mut client, 8 * MIB, 12);
+}

@@ -118,6 +118,28 @@ struct Spec {
     iothreads: usize,
     block_size: u32,
     serial: &'static str,
+    /// Runs as [`DISK_USER`] (AddDiskRequest `run_as`) when the test runs as root.
+    own_user: bool,
+}
+
+/// The user the disks with `own_user` run as (107 is `qemu` in KubeVirt).
+const DISK_USER: &str = "107:107";
+
+/// The real, effective, saved and file-system uids of `pid`; `None` once it is gone.
+fn uids_of(pid: u32) -> Option<[u32; 4]> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let ids: Vec<u32> = line
+        .split_whitespace()
+        .filter_map(|u| u.parse().ok())
+        .collect();
+    ids.try_into().ok()
+}
+
+/// Whether this test can give disks a user of their own: blkplaned inherits its uid.
+fn can_run_as() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }
 
 const SPECS: [Spec; 4] = [
@@ -128,6 +150,7 @@ const SPECS: [Spec; 4] = [
         iothreads: 2,
         block_size: 512,
         serial: "SOAK-D0",
+        own_user: false,
     },
     Spec {
         id: "d1",
@@ -136,6 +159,7 @@ const SPECS: [Spec; 4] = [
         iothreads: 1,
         block_size: 4096,
         serial: "SOAK-D1",
+        own_user: true,
     },
     Spec {
         id: "g0",
@@ -144,6 +168,7 @@ const SPECS: [Spec; 4] = [
         iothreads: 2,
         block_size: 512,
         serial: "SOAK-G0",
+        own_user: false,
     },
     Spec {
         id: "g1",
@@ -152,6 +177,7 @@ const SPECS: [Spec; 4] = [
         iothreads: 1,
         block_size: 512,
         serial: "SOAK-G1",
+        own_user: true,
     },
 ];
 const HOT: Spec = Spec {
@@ -161,6 +187,7 @@ const HOT: Spec = Spec {
     iothreads: 2,
     block_size: 512,
     serial: "SOAK-HOT",
+    own_user: true,
 };
 
 fn spec(id: &str) -> &'static Spec {
@@ -186,24 +213,28 @@ fn ctl(d: &Daemon, args: &[&str]) -> Result<Json, String> {
 }
 
 fn add_disk(d: &Daemon, s: &Spec, image: &Path, block_size: u32) -> Result<Json, String> {
-    ctl(
-        d,
-        &[
-            "disk",
-            "add",
-            s.id,
-            "--image",
-            image.to_str().unwrap(),
-            "--num-queues",
-            &s.queues.to_string(),
-            "--iothreads",
-            &s.iothreads.to_string(),
-            "--block-size",
-            &block_size.to_string(),
-            "--serial",
-            s.serial,
-        ],
-    )
+    let queues = s.queues.to_string();
+    let iothreads = s.iothreads.to_string();
+    let block_size = block_size.to_string();
+    let mut args = vec![
+        "disk",
+        "add",
+        s.id,
+        "--image",
+        image.to_str().unwrap(),
+        "--num-queues",
+        &queues,
+        "--iothreads",
+        &iothreads,
+        "--block-size",
+        &block_size,
+        "--serial",
+        s.serial,
+    ];
+    if s.own_user && can_run_as() {
+        args.extend(["--run-as", DISK_USER]);
+    }
+    ctl(d, &args)
 }
 
 /// Requests completed by a disk's frontend (its statistics, through blkplaned).
@@ -837,6 +868,28 @@ impl Soak {
                 "iothread processes: {its:?}, want {want_it:?} ({:?})",
                 self.procs
             ));
+        }
+        // Every process of a disk runs as the disk's user, restarted ones included.
+        for (id, p) in &self.procs {
+            let want = if spec(id).own_user && can_run_as() {
+                DISK_USER.split(':').next().unwrap().parse().unwrap()
+            } else {
+                // SAFETY: geteuid has no preconditions.
+                unsafe { libc::geteuid() }
+            };
+            let pids = [p.frontend]
+                .into_iter()
+                .chain(spawner_of.get(&p.frontend).copied())
+                .chain(p.iothreads.iter().copied());
+            for pid in pids {
+                if let Some(uids) = uids_of(pid) {
+                    if uids != [want; 4] {
+                        self.fail(&format!(
+                            "{id}: process {pid} runs as uids {uids:?}, want {want}"
+                        ));
+                    }
+                }
+            }
         }
         let mut want_files: Vec<String> = self
             .procs

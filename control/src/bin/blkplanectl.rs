@@ -224,6 +224,10 @@ struct AddArgs {
     /// serial, queues, queue size, block size) default to SRC's and must match them.
     #[arg(long, value_name = "SRC")]
     incoming_for: Option<String>,
+    /// Run the disk's processes as this user, group and supplementary groups (numeric ids;
+    /// blkplaned must run as root) [default: blkplaned's user].
+    #[arg(long, value_name = "UID:GID[:GROUP,...]")]
+    run_as: Option<blkplane_sandbox::RunAs>,
 }
 
 /// Cache modes.
@@ -407,6 +411,11 @@ async fn run(args: Args) -> Result<(), Failure> {
                     None => String::new(),
                 },
                 incoming_for: a.incoming_for.unwrap_or_default(),
+                run_as: a.run_as.map(|r| blkplane_control::pb::RunAs {
+                    uid: r.uid,
+                    gid: r.gid,
+                    groups: r.groups,
+                }),
             };
             let disk = client.add_disk(req).await?.into_inner();
             match format {
