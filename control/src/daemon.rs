@@ -22,8 +22,8 @@ use crate::migration::{self, from_operator, reason_name};
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
 use crate::proc;
 use crate::state::{
-    DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, State, StateError, StateStore, StoredDisk,
-    ThrottleSetting,
+    DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, RunAsSpec, State, StateError, StateStore,
+    StoredDisk, ThrottleSetting,
 };
 use crate::supervisor::{
     self, serving, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings, TakeoverWait,
@@ -45,6 +45,8 @@ pub struct Config {
     pub socket_dirs: Vec<PathBuf>,
     /// If not empty, images must be inside these directories.
     pub image_dirs: Vec<PathBuf>,
+    /// The user a disk added without `run_as` runs as; `None`: blkplaned's own.
+    pub disk_user: Option<RunAsSpec>,
     /// When a crashing frontend is given up.
     pub policy: RestartPolicy,
     /// How long a frontend may take to serve.
@@ -240,6 +242,7 @@ impl Daemon {
                 socket_dirs: config.socket_dirs,
                 image_dirs: config.image_dirs,
                 can_run_as: validate::can_run_disks_as_other_users(),
+                disk_user: config.disk_user,
             },
             state_dir,
             runtime_dir,

@@ -121,15 +121,19 @@ pub struct Context {
     /// Whether blkplaned may run disks as other users (AddDiskRequest `run_as`): it has the
     /// capabilities a frontend needs for that (see [`can_run_disks_as_other_users`]).
     pub can_run_as: bool,
+    /// The user a disk added without `run_as` runs as (blkplaned's `--disk-user`).
+    pub disk_user: Option<RunAsSpec>,
 }
 
-/// The capabilities a frontend started with `--run-as` uses before it switches:
-/// CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_SETGID (6), CAP_SETUID (7) of
-/// <linux/capability.h>, as a CapEff mask.
-const RUN_AS_CAPABILITIES: u64 = 1 << 0 | 1 << 1 | 1 << 6 | 1 << 7;
+/// The capabilities blkplaned needs to run a disk as another user, as a CapEff mask of
+/// <linux/capability.h> numbers: the four a frontend started with `--run-as` inherits and
+/// uses before it switches — CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_SETGID (6),
+/// CAP_SETUID (7) — and CAP_KILL (5), without which blkplaned could not stop a frontend that
+/// runs as another user.
+const RUN_AS_CAPABILITIES: u64 = 1 << 0 | 1 << 1 | 1 << 5 | 1 << 6 | 1 << 7;
 
-/// Whether this process has every capability a frontend needs to run as another user (it
-/// inherits them from blkplaned), read from /proc/self/status.
+/// Whether this process has every capability it needs to run disks as other users
+/// ([`RUN_AS_CAPABILITIES`]), read from /proc/self/status.
 pub fn can_run_disks_as_other_users() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -154,9 +158,9 @@ fn check_run_as(run_as: &RunAs, ctx: &Context) -> Result<RunAsSpec, ValidationEr
     if !ctx.can_run_as {
         return Err(ValidationError::FailedPrecondition {
             field: "run_as",
-            reason: "blkplaned lacks CAP_SETUID, CAP_SETGID, CAP_CHOWN or CAP_DAC_OVERRIDE, \
-                     so its disks run as its own user; run it as root to give disks users of \
-                     their own"
+            reason: "blkplaned lacks CAP_SETUID, CAP_SETGID, CAP_CHOWN, CAP_DAC_OVERRIDE or \
+                     CAP_KILL, so its disks run as its own user; run it as root to give disks \
+                     users of their own"
                 .into(),
         });
     }
@@ -705,11 +709,10 @@ pub fn check_add(
     if !iothread_cpus.is_empty() {
         check_cpu_list(&iothread_cpus)?;
     }
-    let run_as = req
-        .run_as
-        .as_ref()
-        .map(|r| check_run_as(r, ctx))
-        .transpose()?;
+    let run_as = match &req.run_as {
+        Some(r) => Some(check_run_as(r, ctx)?),
+        None => ctx.disk_user.clone(),
+    };
     let identity = check_image(&req.image, block_size, &ctx.image_dirs)?;
     let vhost_socket = resolve_vhost_socket(&req.vhost_socket, &req.id, ctx)?;
 
@@ -832,6 +835,7 @@ mod tests {
             socket_dirs: Vec::new(),
             image_dirs: Vec::new(),
             can_run_as: true,
+            disk_user: None,
         }
     }
 
@@ -878,6 +882,28 @@ mod tests {
         );
         assert_eq!(spec.run_as.unwrap().to_arg(), "107:107:36");
         assert_eq!(check_add(&base, &c).unwrap().0.run_as, None);
+        // blkplaned's --disk-user is for requests without a user of their own.
+        let node_user = RunAsSpec {
+            uid: 64055,
+            gid: 64055,
+            groups: vec![],
+        };
+        let with_default = Context {
+            disk_user: Some(node_user.clone()),
+            ..c.clone()
+        };
+        assert_eq!(
+            check_add(&base, &with_default).unwrap().0.run_as,
+            Some(node_user)
+        );
+        assert_eq!(
+            with(user(107, 108, &[]), &with_default).unwrap().0.run_as,
+            Some(RunAsSpec {
+                uid: 107,
+                gid: 108,
+                groups: vec![]
+            })
+        );
         assert_eq!(field_of(with(user(0, 107, &[]), &c)), "run_as.uid");
         assert_eq!(field_of(with(user(u32::MAX, 107, &[]), &c)), "run_as.uid");
         assert_eq!(field_of(with(user(107, u32::MAX, &[]), &c)), "run_as.gid");

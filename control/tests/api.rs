@@ -1450,6 +1450,9 @@ async fn throttle_group_limits_and_startup_files() {
         &["--poll-interval-ms", "100", "--restart-max", "1"],
     );
     let mut client = ControlClient::new(unix_channel(&dir.path().join("run/control.sock")).await);
+    // The socket accepts connections before blkplaned has read its state (it is bound first);
+    // an answer means the start-up, group files included, is over.
+    client.list_disks(ListDisksRequest {}).await.unwrap();
     assert_eq!(file_names(&tdir), ["full.state", "lonely.state"]);
     assert_eq!(std::fs::read(tdir.join("full.state")).unwrap(), full);
     assert_fresh_group_file(&tdir.join("lonely.state"));

@@ -35,7 +35,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use blkplane_tests::daemon::{alive, comm, kill, processes_with_arg_prefix};
-use blkplane_tests::frontend::SPAWNER_COMM;
+use blkplane_tests::frontend::{children_of, SPAWNER_COMM};
 use blkplane_tests::json::Json;
 use blkplane_tests::{binaries, create_image, pattern, read_file_at, wait_for, Client, TempDir};
 
@@ -376,17 +376,29 @@ fn lint_passes_with_default_and_custom_values() {
 #[test]
 fn manifests_validate_against_kubernetes_schemas() {
     let dir = TempDir::new("helm-validate");
-    for (name, values, expected) in [
-        ("default", None, vec!["DaemonSet", "ServiceAccount"]),
+    for (name, values, set, expected) in [
+        (
+            "default",
+            None,
+            &[][..],
+            vec!["DaemonSet", "ServiceAccount"],
+        ),
         (
             "custom",
             Some(custom_values()),
+            &[],
             vec!["DaemonSet", "Service", "ServiceAccount", "ServiceMonitor"],
+        ),
+        (
+            "disk-users",
+            None,
+            &["diskUsers.enabled=true".to_string()],
+            vec!["DaemonSet", "ServiceAccount"],
         ),
     ] {
         let scratch = dir.join(name);
         std::fs::create_dir(&scratch).unwrap();
-        let docs = render(values.as_deref(), &[], &scratch);
+        let docs = render(values.as_deref(), set, &scratch);
         assert_eq!(kinds(&docs), expected, "{name}: rendered kinds");
         let mut files = Vec::new();
         for (i, doc) in docs.iter().enumerate() {
@@ -551,6 +563,38 @@ fn manifests_grant_only_what_blkplaned_needs() {
         "blkplane-node"
     );
     assert_eq!(at_str(pod, &["serviceAccountName"]), "blkplane-node");
+
+    // diskUsers: blkplaned is root with exactly the five capabilities that giving disks
+    // their users takes, nothing else changes, and disks default to the pod's user.
+    let scratch = dir.join("disk-users");
+    std::fs::create_dir(&scratch).unwrap();
+    let set = [
+        "diskUsers.enabled=true".to_string(),
+        "podSecurityContext.supplementalGroups={36,995}".to_string(),
+    ];
+    let docs = render(None, &set, &scratch);
+    let ds = one(&docs, "DaemonSet");
+    let pod = ds.get("spec").get("template").get("spec");
+    let c = container(pod.get("containers"), "blkplaned");
+    let sc = c.get("securityContext");
+    assert_eq!(at(sc, &["runAsUser"]).map(Json::u64), Some(0));
+    assert_eq!(at_bool(sc, &["runAsNonRoot"]), Some(false));
+    assert_eq!(at_strs(sc, &["capabilities", "drop"]), ["ALL"]);
+    assert_eq!(
+        at_strs(sc, &["capabilities", "add"]),
+        ["CHOWN", "DAC_OVERRIDE", "KILL", "SETGID", "SETUID"]
+    );
+    assert_eq!(at_bool(sc, &["privileged"]), Some(false));
+    assert_eq!(at_bool(sc, &["allowPrivilegeEscalation"]), Some(false));
+    assert_eq!(at_bool(sc, &["readOnlyRootFilesystem"]), Some(true));
+    assert_eq!(
+        at(pod, &["securityContext", "runAsUser"]).map(Json::u64),
+        Some(107)
+    );
+    let args = at_strs(c, &["args"]);
+    let disk_user: Vec<&[String]> = args.windows(2).filter(|w| w[0] == "--disk-user").collect();
+    assert_eq!(disk_user.len(), 1, "{args:?}");
+    assert_eq!(disk_user[0][1], "107:107:36,995");
 }
 
 #[track_caller]
@@ -959,7 +1003,7 @@ fn gauge(text: &str, name: &str) -> f64 {
 
 /// Renders the chart with `values`, runs its blkplaned and checks it as described in the
 /// module documentation.
-fn run_rendered_daemon(tag: &str, values: Option<&Path>) {
+fn run_rendered_daemon(tag: &str, values: Option<&Path>, set: &[&str]) {
     let dir = TempDir::new(tag);
     // Reachable by the pod's user whatever this process's umask is.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -973,15 +1017,17 @@ fn run_rendered_daemon(tag: &str, values: Option<&Path>) {
     // A port free now; should another process take it before blkplaned binds it, blkplaned
     // exits at once and the test tries another (at most three times).
     let mut attempts = 0;
-    let (mut run, addr, docs, host, user) = loop {
+    let (mut run, addr, docs, host, user, disk_user) = loop {
         attempts += 1;
         let port = free_port();
-        let docs = render(values, &[format!("metrics.port={port}")], &scratch);
-        let (run, host, user) = start(&docs, &bin, &node, &dir.join("blkplaned.log"));
+        let mut sets = vec![format!("metrics.port={port}")];
+        sets.extend(set.iter().map(|s| s.to_string()));
+        let docs = render(values, &sets, &scratch);
+        let (run, host, user, disk_user) = start(&docs, &bin, &node, &dir.join("blkplaned.log"));
         match wait_metrics_address(&run) {
             Ok(addr) => {
                 assert_eq!(addr.port(), port, "blkplaned listens on another port");
-                break (run, addr, docs, host, user);
+                break (run, addr, docs, host, user, disk_user);
             }
             Err(log) if attempts < 3 && log.contains("in use") => {
                 eprintln!("port {port} was taken meanwhile; trying another");
@@ -1044,7 +1090,7 @@ fn run_rendered_daemon(tag: &str, values: Option<&Path>) {
         .collect();
     let image = host.get(&image_dirs[0]).join("vd0.img");
     create_image(&image, 64 << 20);
-    if let Some((uid, gid)) = user {
+    if let Some((uid, gid)) = disk_user {
         std::os::unix::fs::chown(&image, Some(uid), Some(gid)).unwrap();
     }
     let socket = host.get(&socket_dirs[0]).join("vd0.sock");
@@ -1066,7 +1112,41 @@ fn run_rendered_daemon(tag: &str, values: Option<&Path>) {
     );
     let md = std::fs::symlink_metadata(&socket).unwrap();
     assert!(md.file_type().is_socket());
-    if let Some((uid, _)) = user {
+    if let Some((uid, gid)) = disk_user {
+        // Every process of the disk runs as the pod's user.
+        let frontends = run.frontends();
+        assert_eq!(frontends.len(), 1, "frontends: {frontends:?}");
+        // The frontend, its spawner and the spawner's iothreads.
+        let spawners: Vec<u32> = children_of(frontends[0])
+            .into_iter()
+            .map(|(pid, _, _)| pid)
+            .collect();
+        assert_eq!(spawners.len(), 1, "children of frontend {}", frontends[0]);
+        let iothreads = wait_for(TIMEOUT, || {
+            let its: Vec<u32> = children_of(spawners[0])
+                .into_iter()
+                .map(|(pid, _, _)| pid)
+                .collect();
+            (!its.is_empty()).then_some(its)
+        })
+        .expect("an iothread");
+        let processes = [frontends[0], spawners[0]].into_iter().chain(iothreads);
+        for pid in processes {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+            let ids = |field: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(field))
+                    .unwrap()
+                    .split_whitespace()
+                    .map(|v| v.parse::<u32>().unwrap())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(ids("Uid:"), [uid; 4], "process {pid} of vd0");
+            assert_eq!(ids("Gid:"), [gid; 4], "process {pid} of vd0");
+        }
+    }
+    if let Some((uid, _)) = disk_user {
         // QEMU running as this user may connect: the socket is its own, writable by it.
         assert_eq!(md.uid(), uid, "the vhost-user socket's owner");
         assert_ne!(
@@ -1110,8 +1190,9 @@ fn run_rendered_daemon(tag: &str, values: Option<&Path>) {
 }
 
 /// Prepares the hostPath directories of the rendered pod under `node` and starts blkplaned
-/// with the rendered command line.
-fn start(docs: &[Json], bin: &Path, node: &Path, log: &Path) -> (Running, HostDirs, User) {
+/// with the rendered command line. Returns who blkplaned runs as and who its disks run as
+/// (the pod's user; both None when the test is not root).
+fn start(docs: &[Json], bin: &Path, node: &Path, log: &Path) -> (Running, HostDirs, User, User) {
     let ds = one(docs, "DaemonSet");
     let pod = ds.get("spec").get("template").get("spec");
     let c = container(pod.get("containers"), "blkplaned");
@@ -1141,13 +1222,17 @@ fn start(docs: &[Json], bin: &Path, node: &Path, log: &Path) -> (Running, HostDi
     let host = HostDirs { map };
 
     // The pod's user, when the test may become it; then the init container's own command
-    // hands it the directories, as in the pod.
-    let uid = at(pod, &["securityContext", "runAsUser"]).map(|v| v.u64() as u32);
-    let gid = at(pod, &["securityContext", "runAsGroup"]).map(|v| v.u64() as u32);
-    let user = match (is_root(), uid) {
-        (true, Some(uid)) => Some((uid, gid.unwrap_or(uid))),
-        _ => None,
+    // hands it the directories, as in the pod. The container's own runAsUser (root, with
+    // diskUsers.enabled) overrides it for blkplaned; the disks run as the pod's user then.
+    let user_of = |sc: &Json| {
+        let uid = at(sc, &["runAsUser"]).map(|v| v.u64() as u32)?;
+        let gid = at(sc, &["runAsGroup"]).map_or(uid, |v| v.u64() as u32);
+        Some((uid, gid))
     };
+    let pod_user = user_of(pod.get("securityContext")).filter(|_| is_root());
+    let user = user_of(c.get("securityContext"))
+        .filter(|_| is_root())
+        .or(pod_user);
     if user.is_some() {
         let init = container(pod.get("initContainers"), "chown-dirs");
         let cmd = at_strs(init, &["command"]);
@@ -1176,13 +1261,60 @@ fn start(docs: &[Json], bin: &Path, node: &Path, log: &Path) -> (Running, HostDi
     for env in c.get("env").arr() {
         cmd.env(env.get("name").str(), host.rewrite(env.get("value").str()));
     }
+    if user.is_some_and(|(uid, _)| uid == 0) {
+        // As the container runtime starts it: only the added capabilities, no_new_privs.
+        let added = at(c, &["securityContext", "capabilities", "add"])
+            .map(|_| at_strs(c, &["securityContext", "capabilities", "add"]))
+            .unwrap_or_default();
+        only_capabilities(&mut cmd, &added);
+    }
     let child = as_user(&mut cmd, user).spawn().expect("spawning blkplaned");
     let run = Running {
         child: Some(child),
         log: log.to_path_buf(),
         disks_dir: runtime.join("disks"),
     };
-    (run, host, user)
+    (run, host, user, pod_user)
+}
+
+/// The capability numbers of <linux/capability.h> the chart may add.
+fn capability_number(name: &str) -> u32 {
+    match name {
+        "CHOWN" => 0,
+        "DAC_OVERRIDE" => 1,
+        "KILL" => 5,
+        "SETGID" => 6,
+        "SETUID" => 7,
+        other => panic!("capability {other} is not one the chart may add"),
+    }
+}
+
+/// Makes `cmd` (run as root) start with exactly the capabilities `names` and no_new_privs,
+/// as a container runtime starts a root container with `drop: [ALL]` and `add: names`: every
+/// other capability leaves the bounding set, and root's exec grants the bounding set.
+fn only_capabilities(cmd: &mut Command, names: &[String]) {
+    let keep: Vec<u32> = names.iter().map(|n| capability_number(n)).collect();
+    // SAFETY: prctl is async-signal-safe and the closure touches only `keep`, which it owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            for cap in 0..64u32 {
+                if keep.contains(&cap) {
+                    continue;
+                }
+                if libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0) < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.raw_os_error() == Some(libc::EINVAL) {
+                        break; // past the last capability this kernel knows
+                    }
+                    return Err(e);
+                }
+            }
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Waits for blkplaned's "metrics on http://ADDR" line; Err(log) if it exited or never said.
@@ -1213,10 +1345,17 @@ fn wait_metrics_address(run: &Running) -> Result<SocketAddr, String> {
 
 #[test]
 fn rendered_daemon_serves_with_default_values() {
-    run_rendered_daemon("helm-default", None);
+    run_rendered_daemon("helm-default", None, &[]);
 }
 
 #[test]
 fn rendered_daemon_serves_with_custom_values() {
-    run_rendered_daemon("helm-custom", Some(&custom_values()));
+    run_rendered_daemon("helm-custom", Some(&custom_values()), &[]);
+}
+
+#[test]
+fn rendered_daemon_gives_disks_their_users() {
+    // blkplaned as root with the five capabilities the chart adds; the disk as the pod's
+    // user, which the rendered --disk-user names (checked in run_rendered_daemon).
+    run_rendered_daemon("helm-disk-users", None, &["diskUsers.enabled=true"]);
 }

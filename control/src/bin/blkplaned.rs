@@ -16,8 +16,9 @@ use blkplane_control::daemon::{Config, Daemon};
 use blkplane_control::metrics;
 use blkplane_control::pb::{AddDiskRequest, Disk};
 use blkplane_control::server::{self, ApiHealth, Listen};
-use blkplane_control::state::StateStore;
+use blkplane_control::state::{RunAsSpec, StateStore};
 use blkplane_control::supervisor::RestartPolicy;
+use blkplane_control::validate;
 use clap::Parser;
 use log::{error, info, warn};
 
@@ -69,6 +70,11 @@ struct Args {
     /// regular file or block device is accepted.
     #[arg(long = "image-dir", value_name = "DIR")]
     image_dirs: Vec<PathBuf>,
+    /// The user, group and supplementary groups (numeric) a disk added without `run_as` runs
+    /// as. Needs CAP_SETUID, CAP_SETGID, CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_KILL (root).
+    /// Without it such a disk runs as blkplaned's own user. Disks added earlier keep theirs.
+    #[arg(long, value_name = "UID:GID[:GROUP,...]")]
+    disk_user: Option<blkplane_sandbox::RunAs>,
     /// A disk whose frontend exits this many times within --restart-window is marked failed.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     restart_max: u32,
@@ -168,6 +174,13 @@ async fn run(args: Args) -> Result<(), String> {
     };
     let health = ApiHealth::new().await;
 
+    if args.disk_user.is_some() && !validate::can_run_disks_as_other_users() {
+        return Err(
+            "--disk-user: blkplaned lacks CAP_SETUID, CAP_SETGID, CAP_CHOWN, \
+                    CAP_DAC_OVERRIDE or CAP_KILL (run it as root)"
+                .into(),
+        );
+    }
     let first_run = !StateStore::new(&state_dir).exists();
     let daemon = Daemon::open(Config {
         state_dir,
@@ -175,6 +188,11 @@ async fn run(args: Args) -> Result<(), String> {
         frontend_binary,
         socket_dirs: args.socket_dirs,
         image_dirs: args.image_dirs,
+        disk_user: args.disk_user.map(|r| RunAsSpec {
+            uid: r.uid,
+            gid: r.gid,
+            groups: r.groups,
+        }),
         policy: RestartPolicy {
             max_crashes: args.restart_max as usize,
             window: Duration::from_secs(args.restart_window),
