@@ -1265,6 +1265,26 @@ mod tests {
         assert_eq!(j["config"]["incoming_for"], "");
         assert!(disk_detail(&d).contains("frontend pid:"));
         assert!(!disk_detail(&d).contains("incoming"));
+        // The disk's user: blkplaned's unless run_as names one.
+        assert_eq!(j["config"]["run_as"], Value::Null);
+        assert!(disk_detail(&d).contains("\nrun as:             blkplaned's user\n"));
+        let mut own_user = d.clone();
+        if let Some(c) = own_user.config.as_mut() {
+            c.run_as = Some(crate::pb::RunAs {
+                uid: 107,
+                gid: 107,
+                groups: vec![36, 995],
+            });
+        }
+        assert_eq!(
+            disk_json(&own_user)["config"]["run_as"],
+            json!({"uid": 107, "gid": 107, "groups": [36, 995]})
+        );
+        let text = disk_detail(&own_user);
+        assert!(
+            text.contains("\nrun as:             uid 107 gid 107 groups 36,995\n"),
+            "{text}"
+        );
         assert!(!t.contains("INCOMING"));
         // An incoming disk: shown in the detail, and the list grows a column for it.
         let mut incoming = d.clone();

@@ -232,6 +232,8 @@ impl Daemon {
             start_timeout: config.start_timeout,
             poll_interval: config.poll_interval,
             throttle_dir,
+            disk_user: config.disk_user,
+            can_run_as: validate::can_run_disks_as_other_users(),
         });
         let daemon = Arc::new(Daemon {
             settings,
@@ -242,7 +244,6 @@ impl Daemon {
                 socket_dirs: config.socket_dirs,
                 image_dirs: config.image_dirs,
                 can_run_as: validate::can_run_disks_as_other_users(),
-                disk_user: config.disk_user,
             },
             state_dir,
             runtime_dir,

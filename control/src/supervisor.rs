@@ -30,7 +30,7 @@ use crate::events::EventBus;
 use crate::migration::{self, reason_name};
 use crate::pb::{self, DiskState, EventKind, MigrationBlockerReason};
 use crate::proc;
-use crate::state::{DiskLifecycle, DiskSpec};
+use crate::state::{DiskLifecycle, DiskSpec, RunAsSpec};
 use crate::throttle;
 
 /// When to give up on a crashing frontend, and how long to wait between restarts.
@@ -85,6 +85,19 @@ pub struct Settings {
     pub poll_interval: Duration,
     /// `RUNTIME_DIR/throttle`: the state files of throttle groups.
     pub throttle_dir: PathBuf,
+    /// The user of disks whose configuration names none (blkplaned's `--disk-user`).
+    pub disk_user: Option<RunAsSpec>,
+    /// Whether blkplaned may run frontends as other users (see
+    /// [`crate::validate::can_run_disks_as_other_users`]).
+    pub can_run_as: bool,
+}
+
+impl Settings {
+    /// The user `spec`'s processes run as: its own `run_as`, else `--disk-user`; `None`:
+    /// blkplaned's own.
+    pub fn user_of<'a>(&'a self, spec: &'a DiskSpec) -> Option<&'a RunAsSpec> {
+        spec.run_as.as_ref().or(self.disk_user.as_ref())
+    }
 }
 
 /// The files of one disk in the runtime directory.
@@ -153,6 +166,16 @@ impl DiskPaths {
 /// Why a frontend could not be started.
 #[derive(Debug, Error)]
 pub enum StartError {
+    /// The disk runs as another user, and blkplaned cannot start processes as one.
+    #[error(
+        "the disk runs as uid {uid} (run_as), but blkplaned lacks CAP_SETUID, CAP_SETGID, \
+         CAP_CHOWN, CAP_DAC_OVERRIDE or CAP_KILL: run it as root, or remove and add the disk \
+         without run_as"
+    )]
+    RunAs {
+        /// The disk's uid.
+        uid: u32,
+    },
     /// The log file could not be opened.
     #[error("cannot open the log {}: {source}", path.display())]
     Log {
@@ -322,7 +345,12 @@ impl Frontend {
 /// The frontend's command line for `spec` (without the program), starting drained if
 /// `drained`. Options use the `--opt=value` form so that a value starting with '-' (a serial,
 /// say) is never taken for an option.
-pub fn frontend_args(spec: &DiskSpec, paths: &DiskPaths, drained: bool) -> Vec<OsString> {
+pub fn frontend_args(
+    spec: &DiskSpec,
+    paths: &DiskPaths,
+    drained: bool,
+    user: Option<&RunAsSpec>,
+) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut opt = |name: &str, value: &dyn AsRef<std::ffi::OsStr>| {
         let mut a = OsString::from(format!("--{name}="));
@@ -343,7 +371,7 @@ pub fn frontend_args(spec: &DiskSpec, paths: &DiskPaths, drained: bool) -> Vec<O
     if !spec.iothread_cpus.is_empty() {
         opt("iothread-cpus", &spec.iothread_cpus);
     }
-    if let Some(run_as) = &spec.run_as {
+    if let Some(run_as) = user {
         opt("run-as", &run_as.to_arg());
     }
     if spec.read_only {
@@ -426,6 +454,10 @@ pub async fn start(
     paths: &DiskPaths,
     drained: bool,
 ) -> Result<(Frontend, FrontendStatus), StartError> {
+    let user = settings.user_of(spec);
+    if let (Some(user), false) = (user, settings.can_run_as) {
+        return Err(StartError::RunAs { uid: user.uid });
+    }
     // A dead predecessor may have left its admin socket; ours must be fresh.
     remove_file(&paths.admin_socket);
     let mut log = OpenOptions::new()
@@ -437,7 +469,7 @@ pub async fn start(
             path: paths.log_file.clone(),
             source,
         })?;
-    let args = frontend_args(spec, paths, drained);
+    let args = frontend_args(spec, paths, drained, user);
     let _ = writeln!(
         log,
         "--- blkplaned: starting {} {} (unix time {} ms)",
@@ -1469,7 +1501,7 @@ mod tests {
     #[test]
     fn command_line() {
         let paths = DiskPaths::new(Path::new("/run/bp/disks"), &spec());
-        let args: Vec<String> = frontend_args(&spec(), &paths, false)
+        let args: Vec<String> = frontend_args(&spec(), &paths, false, None)
             .into_iter()
             .map(|a| a.into_string().unwrap())
             .collect();
@@ -1490,15 +1522,36 @@ mod tests {
             ]
         );
         assert_eq!(identity_arg(&paths), "--admin-socket=/run/bp/disks/d.admin");
-        let drained = frontend_args(&spec(), &paths, true);
+        let drained = frontend_args(&spec(), &paths, true, None);
         assert_eq!(drained.last().unwrap(), "--drained");
-        let mut other_user = spec();
-        other_user.run_as = Some(crate::state::RunAsSpec {
+        // The disk's own user, else blkplaned's --disk-user.
+        let own = RunAsSpec {
             uid: 107,
             gid: 108,
             groups: vec![36, 995],
-        });
-        let args = frontend_args(&other_user, &paths, false);
+        };
+        let node = RunAsSpec {
+            uid: 64055,
+            gid: 64055,
+            groups: vec![],
+        };
+        let mut settings = Settings {
+            frontend_binary: PathBuf::from("/bin/false"),
+            disks_dir: PathBuf::from("/run/bp/disks"),
+            policy: RestartPolicy::default(),
+            start_timeout: Duration::from_secs(1),
+            poll_interval: Duration::from_secs(1),
+            throttle_dir: PathBuf::from("/run/bp/throttle"),
+            disk_user: None,
+            can_run_as: true,
+        };
+        let mut other_user = spec();
+        assert_eq!(settings.user_of(&other_user), None);
+        settings.disk_user = Some(node.clone());
+        assert_eq!(settings.user_of(&other_user), Some(&node));
+        other_user.run_as = Some(own.clone());
+        assert_eq!(settings.user_of(&other_user), Some(&own));
+        let args = frontend_args(&other_user, &paths, false, settings.user_of(&other_user));
         assert!(
             args.iter().any(|a| a == "--run-as=107:108:36,995"),
             "{args:?}"
@@ -1590,6 +1643,8 @@ mod tests {
             start_timeout: Duration::from_secs(10),
             poll_interval: Duration::from_millis(100),
             throttle_dir: dir.clone(),
+            disk_user: None,
+            can_run_as: false,
         };
         let mut s = spec();
         s.vhost_socket = dir.join("d.sock");

@@ -121,8 +121,6 @@ pub struct Context {
     /// Whether blkplaned may run disks as other users (AddDiskRequest `run_as`): it has the
     /// capabilities a frontend needs for that (see [`can_run_disks_as_other_users`]).
     pub can_run_as: bool,
-    /// The user a disk added without `run_as` runs as (blkplaned's `--disk-user`).
-    pub disk_user: Option<RunAsSpec>,
 }
 
 /// The capabilities blkplaned needs to run a disk as another user, as a CapEff mask of
@@ -709,10 +707,11 @@ pub fn check_add(
     if !iothread_cpus.is_empty() {
         check_cpu_list(&iothread_cpus)?;
     }
-    let run_as = match &req.run_as {
-        Some(r) => Some(check_run_as(r, ctx)?),
-        None => ctx.disk_user.clone(),
-    };
+    let run_as = req
+        .run_as
+        .as_ref()
+        .map(|r| check_run_as(r, ctx))
+        .transpose()?;
     let identity = check_image(&req.image, block_size, &ctx.image_dirs)?;
     let vhost_socket = resolve_vhost_socket(&req.vhost_socket, &req.id, ctx)?;
 
@@ -835,7 +834,6 @@ mod tests {
             socket_dirs: Vec::new(),
             image_dirs: Vec::new(),
             can_run_as: true,
-            disk_user: None,
         }
     }
 
@@ -882,28 +880,6 @@ mod tests {
         );
         assert_eq!(spec.run_as.unwrap().to_arg(), "107:107:36");
         assert_eq!(check_add(&base, &c).unwrap().0.run_as, None);
-        // blkplaned's --disk-user is for requests without a user of their own.
-        let node_user = RunAsSpec {
-            uid: 64055,
-            gid: 64055,
-            groups: vec![],
-        };
-        let with_default = Context {
-            disk_user: Some(node_user.clone()),
-            ..c.clone()
-        };
-        assert_eq!(
-            check_add(&base, &with_default).unwrap().0.run_as,
-            Some(node_user)
-        );
-        assert_eq!(
-            with(user(107, 108, &[]), &with_default).unwrap().0.run_as,
-            Some(RunAsSpec {
-                uid: 107,
-                gid: 108,
-                groups: vec![]
-            })
-        );
         assert_eq!(field_of(with(user(0, 107, &[]), &c)), "run_as.uid");
         assert_eq!(field_of(with(user(u32::MAX, 107, &[]), &c)), "run_as.uid");
         assert_eq!(field_of(with(user(107, u32::MAX, &[]), &c)), "run_as.gid");

@@ -75,9 +75,9 @@ struct Args {
     #[arg(long, requires = "admin_socket")]
     drained: bool,
     /// Serve as this user, group and supplementary groups (numeric, `UID:GID[:GROUP,...]`;
-    /// needs root). The image is opened, the sockets bound and the iothread spawner forked
-    /// first; then every process of the disk switches to it, and the vhost-user socket is
-    /// handed to it, so a VMM running as that user can connect.
+    /// needs root). The image is opened with this user's permissions; the sockets are bound
+    /// and the iothread spawner forked as root; then every process of the disk switches to
+    /// the user, and the vhost-user socket is handed to it, so a VMM of that user connects.
     #[arg(long, value_name = "UID:GID[:GROUP,...]")]
     run_as: Option<blkplane_sandbox::RunAs>,
 }
@@ -139,7 +139,15 @@ fn run(args: Args) -> Result<(), String> {
             ));
         }
     }
-    let image = Image::open(&args.image, args.read_only, args.cache).map_err(|e| e.to_string())?;
+    let image = match &args.run_as {
+        None => Image::open(&args.image, args.read_only, args.cache),
+        // With the disk user's permissions, as its VMM would open it.
+        Some(run_as) => blkplane_sandbox::open_as(run_as, || {
+            Image::open(&args.image, args.read_only, args.cache)
+        })
+        .map_err(|e| e.to_string())?,
+    }
+    .map_err(|e| e.to_string())?;
     if image.size() < u64::from(args.block_size) {
         return Err(format!("image {} is smaller than one block", args.image));
     }
@@ -240,8 +248,9 @@ fn run(args: Args) -> Result<(), String> {
     let listener = Listener::new(&args.socket, true)
         .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
     if let Some(run_as) = &args.run_as {
-        // The VMM runs as the disk's user, and connect() needs write permission.
-        std::os::unix::fs::chown(&args.socket, Some(run_as.uid), Some(run_as.gid))
+        // The VMM runs as the disk's user, and connect() needs write permission. lchown: a
+        // symlink put in place of the socket must not hand its target to the user.
+        std::os::unix::fs::lchown(&args.socket, Some(run_as.uid), Some(run_as.gid))
             .map_err(|e| format!("cannot hand {} to {run_as}: {e}", args.socket.display()))?;
         blkplane_sandbox::switch_identity(run_as).map_err(|e| e.to_string())?;
         info!("running as {run_as}");

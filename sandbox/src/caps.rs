@@ -99,10 +99,14 @@ pub(crate) fn drop_all_but(keep: &[u32]) -> Result<(), SandboxError> {
     };
     let mut data = [CapData::default(); 2];
     for &cap in keep {
-        // Every number kept is below 32: the first word.
+        // Word cap / 32, bit cap % 32 (version 3 has two words: capabilities 0 to 63).
+        let word = usize::try_from(cap / 32).unwrap_or(usize::MAX);
+        let (Some(kept), Some(now)) = (data.get_mut(word), current.get(word)) else {
+            continue;
+        };
         let bit = 1u32 << (cap % 32);
-        data[0].permitted |= current[0].permitted & bit;
-        data[0].effective |= current[0].permitted & bit;
+        kept.permitted |= now.permitted & bit;
+        kept.effective |= now.permitted & bit;
     }
     // SAFETY: capset reads a version-3 header and two data words, which is what we pass.
     if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } < 0 {

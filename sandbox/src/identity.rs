@@ -3,7 +3,8 @@
 //! The model is QEMU's `-run-with user=`: a frontend started by root opens its image, binds
 //! its sockets and forks its iothread spawner with the few capabilities that needs, then
 //! switches every thread to the configured uid, gid and supplementary groups, which empties
-//! its capability sets; the spawner does the same before it serves, so iothreads start as
+//! its capability sets (the image is opened with that user's file-system ids already, see
+//! [`open_as`]); the spawner does the same before it serves, so iothreads start as
 //! that user. What the processes opened before the switch stays usable through its
 //! descriptor, and nothing after it opens a path (the seccomp filters forbid `open`).
 
@@ -121,9 +122,55 @@ pub fn keep_only_identity_capabilities() -> Result<(), SandboxError> {
     ])
 }
 
-/// Switches every thread of the process to `run_as`: supplementary groups, gid, then uid
-/// (glibc applies each to all threads). Leaving uid 0 for good empties every thread's
-/// capability sets; this is checked afterwards, with the ids, and any difference is an error.
+/// Runs `open` with the file-system identity of `run_as` — its uid, gid and supplementary
+/// groups — and then returns to root's. Files are opened as the disk's user would open them,
+/// so that a path swapped for a symlink or hard link by someone who can write to its
+/// directory cannot make a root process open a file that user may not. The file-system ids
+/// are the calling thread's own: call this while the process has one thread. The groups stay
+/// (the later [`switch_identity`] sets the same ones).
+pub fn open_as<T>(run_as: &RunAs, open: impl FnOnce() -> T) -> Result<T, SandboxError> {
+    let failed = |what: &'static str| SandboxError::Identity {
+        what,
+        source: io::Error::last_os_error(),
+    };
+    // SAFETY: setgroups reads `len` group ids from a live slice.
+    if unsafe { libc::setgroups(run_as.groups.len(), run_as.groups.as_ptr()) } < 0 {
+        return Err(failed("setgroups"));
+    }
+    // setfsuid and setfsgid return the previous id and report no error: each is called again
+    // with an invalid id, which changes nothing and returns the current one.
+    // SAFETY: setfsgid and setfsuid take plain ids and change only this thread's.
+    let switched = unsafe {
+        libc::setfsgid(run_as.gid);
+        libc::setfsuid(run_as.uid);
+        libc::setfsgid(u32::MAX) as u32 == run_as.gid
+            && libc::setfsuid(u32::MAX) as u32 == run_as.uid
+    };
+    let result = switched.then(open);
+    // SAFETY: as above; back to root's ids, which gives back the file capabilities the
+    // change of fsuid took from the effective set.
+    let restored = unsafe {
+        libc::setfsuid(0);
+        libc::setfsgid(0);
+        libc::setfsuid(u32::MAX) == 0 && libc::setfsgid(u32::MAX) == 0
+    };
+    match (result, restored) {
+        (Some(value), true) => Ok(value),
+        (None, _) => Err(SandboxError::Identity {
+            what: "setfsuid",
+            source: io::Error::other("the file-system ids did not change"),
+        }),
+        (Some(_), false) => Err(SandboxError::Identity {
+            what: "setfsuid",
+            source: io::Error::other("the file-system ids did not return to root's"),
+        }),
+    }
+}
+
+/// Switches every thread of the process to `run_as`: supplementary groups, gid, then uid.
+/// glibc applies each change to every thread of the process (and aborts the process if a
+/// thread could not follow). Leaving uid 0 for good empties the capability sets. The calling
+/// thread's ids, groups and capabilities are checked afterwards; any difference is an error.
 pub fn switch_identity(run_as: &RunAs) -> Result<(), SandboxError> {
     let failed = |what: &'static str| SandboxError::Identity {
         what,
@@ -153,6 +200,22 @@ pub fn switch_identity(run_as: &RunAs) -> Result<(), SandboxError> {
     // SAFETY: getresgid writes three ids through valid pointers.
     if unsafe { libc::getresgid(&mut r, &mut e, &mut s) } < 0 || [r, e, s] != [run_as.gid; 3] {
         return Err(mismatch("gid"));
+    }
+    let mut groups = [0u32; MAX_GROUPS + 1];
+    // SAFETY: getgroups writes at most `groups.len()` ids into the live array.
+    let count = unsafe { libc::getgroups(groups.len() as libc::c_int, groups.as_mut_ptr()) };
+    let mut have: Vec<u32> = usize::try_from(count)
+        .ok()
+        .and_then(|n| groups.get(..n))
+        .ok_or_else(|| mismatch("groups"))?
+        .to_vec();
+    let mut want = run_as.groups.clone();
+    have.sort_unstable();
+    have.dedup();
+    want.sort_unstable();
+    want.dedup();
+    if have != want {
+        return Err(mismatch("groups"));
     }
     if caps::any_left()? {
         return Err(mismatch("capabilities"));

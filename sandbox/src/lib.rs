@@ -32,7 +32,7 @@ use thiserror::Error;
 
 pub use caps::drop_capabilities;
 pub use identity::{
-    keep_only_identity_capabilities, switch_identity, RunAs, RunAsError, MAX_GROUPS,
+    keep_only_identity_capabilities, open_as, switch_identity, RunAs, RunAsError, MAX_GROUPS,
 };
 
 /// The kind of process a filter is for.

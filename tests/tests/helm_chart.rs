@@ -566,18 +566,28 @@ fn manifests_grant_only_what_blkplaned_needs() {
 
     // diskUsers: blkplaned is root with exactly the five capabilities that giving disks
     // their users takes, nothing else changes, and disks default to the pod's user.
+    // From a values file (its numbers are floats to helm: a large gid must still print as an
+    // integer), with a securityContext that sets a user of its own (the root settings win).
     let scratch = dir.join("disk-users");
     std::fs::create_dir(&scratch).unwrap();
-    let set = [
-        "diskUsers.enabled=true".to_string(),
-        "podSecurityContext.supplementalGroups={36,995}".to_string(),
-    ];
-    let docs = render(None, &set, &scratch);
+    let values = scratch.join("disk-users.yaml");
+    std::fs::write(
+        &values,
+        "diskUsers: {enabled: true}\n\
+         podSecurityContext: {runAsUser: 107, runAsGroup: 107, runAsNonRoot: true, \
+         supplementalGroups: [36, 1000660000]}\n\
+         securityContext: {runAsNonRoot: true, runAsUser: 5, runAsGroup: 5, privileged: false, \
+         allowPrivilegeEscalation: false, readOnlyRootFilesystem: true, \
+         capabilities: {drop: [ALL], add: [NET_ADMIN]}}\n",
+    )
+    .unwrap();
+    let docs = render(Some(&values), &[], &scratch);
     let ds = one(&docs, "DaemonSet");
     let pod = ds.get("spec").get("template").get("spec");
     let c = container(pod.get("containers"), "blkplaned");
     let sc = c.get("securityContext");
     assert_eq!(at(sc, &["runAsUser"]).map(Json::u64), Some(0));
+    assert_eq!(at(sc, &["runAsGroup"]).map(Json::u64), Some(0));
     assert_eq!(at_bool(sc, &["runAsNonRoot"]), Some(false));
     assert_eq!(at_strs(sc, &["capabilities", "drop"]), ["ALL"]);
     assert_eq!(
@@ -594,7 +604,7 @@ fn manifests_grant_only_what_blkplaned_needs() {
     let args = at_strs(c, &["args"]);
     let disk_user: Vec<&[String]> = args.windows(2).filter(|w| w[0] == "--disk-user").collect();
     assert_eq!(disk_user.len(), 1, "{args:?}");
-    assert_eq!(disk_user[0][1], "107:107:36,995");
+    assert_eq!(disk_user[0][1], "107:107:36,1000660000");
 }
 
 #[track_caller]

@@ -245,9 +245,12 @@ fn assert_runs_as_disk_user(pid: u32, what: &str) {
 fn a_disk_runs_as_its_configured_user() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let images = TempDir::new("sandbox-img");
+    std::fs::set_permissions(images.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let img = create_image(&images.join("disk.img"), 16 * MIB);
-    // Only root may open it: the frontend opens it before it switches users.
+    // The disk's user's image, as its VMM's would be; a root-only one is refused below.
     std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let root_only = create_image(&images.join("root.img"), 16 * MIB);
+    std::fs::set_permissions(&root_only, std::fs::Permissions::from_mode(0o600)).unwrap();
     let d = Daemon::start("sandbox-user", &[]);
     let (uid, gid, group) = DISK_USER;
     let run_as = format!("{uid}:{gid}:{group}");
@@ -272,6 +275,28 @@ fn a_disk_runs_as_its_configured_user() {
         d.ctl_refused(&add, "FAILED_PRECONDITION", "run_as");
         return;
     }
+    std::os::unix::fs::chown(&img, Some(uid), Some(gid)).unwrap();
+
+    // The image is opened with the disk user's permissions, not root's: one only root may
+    // open is refused, and nothing of the disk is left.
+    let refused = d.ctl(&[
+        "disk",
+        "add",
+        "r0",
+        "--image",
+        root_only.to_str().unwrap(),
+        "--run-as",
+        &run_as,
+    ]);
+    assert_ne!(refused.code, Some(0), "{}", refused.stdout);
+    assert!(
+        refused.stderr.contains("Permission denied"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(d.ctl_json(&["disk", "list"]).arr().len(), 0);
+    assert!(d.frontends().is_empty(), "{:?}", d.frontends());
+
     let added = Json::parse(&d.ctl_ok(&add));
     let config = added.get("config").get("run_as");
     assert_eq!(

@@ -233,6 +233,14 @@ fn add_disk(d: &Daemon, s: &Spec, image: &Path, block_size: u32) -> Result<Json,
     ];
     if s.own_user && can_run_as() {
         args.extend(["--run-as", DISK_USER]);
+        // The frontend opens the image as the disk's user, as its VMM would.
+        let (uid, gid) = DISK_USER.split_once(':').unwrap();
+        let (uid, gid) = (uid.parse().unwrap(), gid.parse().unwrap());
+        std::os::unix::fs::chown(image, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
+        if let Some(dir) = image.parent() {
+            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .map_err(|e| e.to_string())?;
+        }
     }
     ctl(d, &args)
 }

@@ -70,9 +70,10 @@ struct Args {
     /// regular file or block device is accepted.
     #[arg(long = "image-dir", value_name = "DIR")]
     image_dirs: Vec<PathBuf>,
-    /// The user, group and supplementary groups (numeric) a disk added without `run_as` runs
-    /// as. Needs CAP_SETUID, CAP_SETGID, CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_KILL (root).
-    /// Without it such a disk runs as blkplaned's own user. Disks added earlier keep theirs.
+    /// The user, group and supplementary groups (numeric) of every disk whose configuration
+    /// names none (AddDiskRequest `run_as`), including disks added before. Needs CAP_SETUID,
+    /// CAP_SETGID, CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_KILL (root). Without it such disks run
+    /// as blkplaned's own user.
     #[arg(long, value_name = "UID:GID[:GROUP,...]")]
     disk_user: Option<blkplane_sandbox::RunAs>,
     /// A disk whose frontend exits this many times within --restart-window is marked failed.
