@@ -1655,6 +1655,21 @@ mod tests {
         assert!(msg.contains("cannot open image"), "{msg}");
         assert!(!paths.pid_file.exists());
         assert!(!paths.admin_socket.exists());
+
+        // A disk of another user under a blkplaned that cannot start one: nothing is run
+        // (the script would say "cannot open image"), and the error says why.
+        s.run_as = Some(RunAsSpec {
+            uid: 107,
+            gid: 107,
+            groups: vec![],
+        });
+        let err = start(&settings, &s, &paths, false).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, StartError::RunAs { uid: 107 }), "{msg}");
+        assert!(msg.contains("CAP_KILL"), "{msg}");
+        assert!(!std::fs::read_to_string(&paths.log_file)
+            .unwrap_or_default()
+            .contains("run-as"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
