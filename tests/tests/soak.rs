@@ -245,6 +245,18 @@ fn add_disk(d: &Daemon, s: &Spec, image: &Path, block_size: u32) -> Result<Json,
     ctl(d, &args)
 }
 
+/// The iothread pids blkplaned reports for a disk (its `disk show`/`disk list` JSON), sorted.
+fn reported_iothreads(disk: &Json) -> Vec<u32> {
+    let mut pids: Vec<u32> = disk
+        .get("iothread_pids")
+        .arr()
+        .iter()
+        .map(|p| p.u64() as u32)
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
 /// Requests completed by a disk's frontend (its statistics, through blkplaned).
 fn completed(d: &Daemon, id: &str) -> Result<u64, String> {
     let s = ctl(d, &["stats", id])?;
@@ -772,13 +784,7 @@ impl Soak {
             }
             let mut its = iothread_pids(fe);
             its.sort_unstable();
-            let mut reported: Vec<u32> = j
-                .get("iothread_pids")
-                .arr()
-                .iter()
-                .map(|p| p.u64() as u32)
-                .collect();
-            reported.sort_unstable();
+            let reported = reported_iothreads(j);
             let its_ok = its.len() == spec(id).iothreads
                 && reported == its
                 && match e {
@@ -1233,13 +1239,7 @@ impl Soak {
         if j.get("state").str() != "ready" {
             return Err(format!("hot added but not ready: {j:?}"));
         }
-        let mut iothreads: Vec<u32> = j
-            .get("iothread_pids")
-            .arr()
-            .iter()
-            .map(|p| p.u64() as u32)
-            .collect();
-        iothreads.sort_unstable();
+        let iothreads = reported_iothreads(&j);
         self.procs.insert(
             "hot".into(),
             Procs {
@@ -1671,13 +1671,7 @@ fn soak() {
     ));
     let list = ctl(&soak.d, &["disk", "list"]).unwrap_or_else(|e| panic!("{e}"));
     for j in list.arr() {
-        let mut iothreads: Vec<u32> = j
-            .get("iothread_pids")
-            .arr()
-            .iter()
-            .map(|p| p.u64() as u32)
-            .collect();
-        iothreads.sort_unstable();
+        let iothreads = reported_iothreads(j);
         soak.procs.insert(
             j.get("id").str().to_string(),
             Procs {
