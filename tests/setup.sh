@@ -152,4 +152,13 @@ if [ "$need_validate" = 1 ]; then
     ln -sf "$CHART_TOOLS/bin/kubernetes-validate" /usr/local/bin/kubernetes-validate
 fi
 echo "setup: helm $(helm version --short), kubernetes-validate $(kubernetes-validate --version)"
+
+# The container image test (tests/tests/container.rs) and the libvirt test
+# (tests/tests/libvirt.rs) have their own installers beside this one.
+here=$(dirname "$0")
+for extra in "$here/setup-container.sh" "$here/setup-libvirt.sh"; do
+    if [ -f "$extra" ]; then
+        bash "$extra"
+    fi
+done
 echo "setup: done"

@@ -289,6 +289,10 @@ fn ctl_command() -> String {
 }
 
 /// Prints (stdout) how to attach each disk to QEMU and how to look at it with blkplanectl.
+///
+/// The QEMU line is the README's: with `reconnect-ms`, QEMU reconnects to a restarted
+/// frontend and resubmits what was in flight, which is what makes a frontend crash invisible
+/// to the guest; a line without it would silently lose that.
 fn print_banner(api: &str, listen: &Listen, disks: &[Disk]) {
     let ctl = match listen {
         Listen::Unix(p) => format!("{} --socket {}", ctl_command(), p.display()),
@@ -307,7 +311,7 @@ fn print_banner(api: &str, listen: &Listen, disks: &[Disk]) {
             "\nDisk {} ({}, {} bytes) is served on {}\nAttach it to QEMU with:\n  \
              qemu-system-x86_64 -machine q35,memory-backend=mem -m 2G \\\n    \
              -object memory-backend-memfd,id=mem,size=2G,share=on \\\n    \
-             -chardev socket,id=blk-{id},path={sock} \\\n    \
+             -chardev socket,id=blk-{id},path={sock},reconnect-ms=1000 \\\n    \
              -device vhost-user-blk-pci,chardev=blk-{id},num-queues={q} ...\n\
              Show it with:\n  {ctl} disk show {id}\n",
             c.id,
