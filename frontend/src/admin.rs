@@ -248,7 +248,7 @@ pub fn device_status(status: &DeviceStatus, capacity_bytes: u64) -> FrontendStat
             .iter()
             .enumerate()
             .map(|(index, q)| QueueStatus {
-                index: index as u32,
+                index: u32::try_from(index).unwrap_or(u32::MAX),
                 running: q.running.load(Ordering::Relaxed),
                 broken: q.broken.load(Ordering::Relaxed),
             })
@@ -276,7 +276,7 @@ pub fn disk_stats(status: &DeviceStatus) -> DiskStats {
             .iter()
             .enumerate()
             .map(|(index, q)| QueueStats {
-                index: index as u32,
+                index: u32::try_from(index).unwrap_or(u32::MAX),
                 read_ops: get(&q.read_ops),
                 read_bytes: get(&q.read_bytes),
                 write_ops: get(&q.write_ops),

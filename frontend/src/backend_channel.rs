@@ -19,6 +19,8 @@ use vhost::vhost_user::message::{BackendReq, FrontendReq, VhostUserHeaderFlag};
 
 /// Size of a vhost-user message header: request, flags, size (u32 each, little-endian).
 const HEADER_LEN: usize = 12;
+/// The size of one descriptor in an SCM_RIGHTS message, as the CMSG macros take it.
+const RAW_FD_SIZE: u32 = RawFd::BITS / 8;
 /// Header flags of a message we send: protocol version 1, no reply wanted.
 const FLAGS_VERSION_1: u32 = 0x1;
 
@@ -117,7 +119,7 @@ pub fn peek_attached_fd(socket: RawFd) -> io::Result<Option<OwnedFd>> {
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     // SAFETY: CMSG_SPACE is a pure computation.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as usize;
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(RAW_FD_SIZE) } as usize;
     // SAFETY: msg points at live local buffers of the sizes it states.
     let n = unsafe { libc::recvmsg(socket, &mut msg, libc::MSG_PEEK | libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
@@ -131,8 +133,10 @@ pub fn peek_attached_fd(socket: RawFd) -> io::Result<Option<OwnedFd>> {
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                let count =
-                    ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
+                let count = ((*cmsg).cmsg_len as usize)
+                    .saturating_sub(libc::CMSG_LEN(0) as usize)
+                    .checked_div(size_of::<RawFd>())
+                    .unwrap_or(0);
                 for i in 0..count {
                     let fd = std::ptr::read_unaligned(data.add(i));
                     // Every installed duplicate is owned here, so none leaks.

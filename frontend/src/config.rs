@@ -103,7 +103,8 @@ impl DiskConfig {
 
     fn sectors(bytes: u64, block_size: u32) -> u64 {
         // Only whole logical blocks are exposed.
-        (bytes - bytes % u64::from(block_size)) >> SECTOR_SHIFT
+        let partial = bytes.checked_rem(u64::from(block_size)).unwrap_or(0);
+        bytes.saturating_sub(partial) >> SECTOR_SHIFT
     }
 
     /// Capacity in sectors.
@@ -138,7 +139,10 @@ impl DiskConfig {
     /// Segments a ring slot holds: room for every data descriptor to straddle a memory-region
     /// boundary, and for the most discard ranges.
     pub fn segments_per_slot(&self) -> u32 {
-        (2 * self.seg_max() + 16).max(MAX_DISCARD_SEGMENTS)
+        self.seg_max()
+            .saturating_mul(2)
+            .saturating_add(16)
+            .max(MAX_DISCARD_SEGMENTS)
     }
 
     /// The virtio feature bits offered.
@@ -220,7 +224,8 @@ impl DiskConfig {
 
     /// Applies a config-space write from the guest. Only `wce` is writable (CONFIG_WCE).
     pub fn write_config(&self, offset: u32, data: &[u8]) -> Result<(), ConfigWriteError> {
-        let wce_offset = std::mem::offset_of!(virtio_blk_config, wce) as u32;
+        let wce_offset = u32::try_from(std::mem::offset_of!(virtio_blk_config, wce)).ok();
+        let wce_offset = wce_offset.unwrap_or(u32::MAX);
         match (offset, data) {
             (o, [value]) if o == wce_offset => {
                 self.writeback.store(*value != 0, Ordering::Relaxed);

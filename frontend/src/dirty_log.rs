@@ -106,7 +106,7 @@ impl DirtyLog {
             return true;
         }
         let first = addr / LOG_PAGE_SIZE;
-        let last = addr.saturating_add(len - 1) / LOG_PAGE_SIZE;
+        let last = addr.saturating_add(len.saturating_sub(1)) / LOG_PAGE_SIZE;
         let mut all = true;
         let mut page = first;
         while page <= last {
@@ -114,14 +114,15 @@ impl DirtyLog {
             let first_bit = page % 8;
             // The pages of this byte that the range covers: bits first_bit..=last_bit.
             let last_bit = if last / 8 == byte { last % 8 } else { 7 };
-            let mask = (0xffu8 << first_bit) & (0xffu8 >> (7 - last_bit));
-            let covered = last_bit - first_bit + 1;
+            // first_bit <= last_bit <= 7, so neither shift nor the count can overflow.
+            let mask = (0xffu8 << first_bit) & (0xffu8 >> 7u64.saturating_sub(last_bit));
+            let covered = last_bit.saturating_sub(first_bit).saturating_add(1);
             match usize::try_from(byte).ok().filter(|&b| b < self.len) {
                 Some(byte) => {
                     // SAFETY: offset + byte < offset + len, which `new` mapped; any byte is
                     // a valid, aligned AtomicU8, and the VMM also only accesses it atomically.
                     let cell = unsafe {
-                        AtomicU8::from_ptr(self.mapping.as_ptr().add(self.offset + byte))
+                        AtomicU8::from_ptr(self.mapping.as_ptr().add(self.offset).add(byte))
                     };
                     // Release: the write this mark stands for is visible before the mark.
                     cell.fetch_or(mask, Ordering::Release);
@@ -131,7 +132,7 @@ impl DirtyLog {
                     all = false;
                 }
             }
-            page = match (byte + 1).checked_mul(8) {
+            page = match byte.checked_add(1).and_then(|next| next.checked_mul(8)) {
                 Some(next) => next,
                 None => break,
             };

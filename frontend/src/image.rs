@@ -78,12 +78,17 @@ impl fmt::Display for ImageSpec {
 /// powers of 1024, as QEMU reads sizes).
 fn parse_size(text: &str) -> Result<u64, ImageSpecError> {
     let bad = || ImageSpecError::BadSize(text.to_owned());
-    let (digits, shift) = match text.as_bytes().last() {
-        Some(b'k' | b'K') => (&text[..text.len() - 1], 10),
-        Some(b'm' | b'M') => (&text[..text.len() - 1], 20),
-        Some(b'g' | b'G') => (&text[..text.len() - 1], 30),
-        Some(b't' | b'T') => (&text[..text.len() - 1], 40),
-        _ => (text, 0),
+    let shift = match text.as_bytes().last() {
+        Some(b'k' | b'K') => 10,
+        Some(b'm' | b'M') => 20,
+        Some(b'g' | b'G') => 30,
+        Some(b't' | b'T') => 40,
+        _ => 0,
+    };
+    // The suffix is one ASCII byte, so cutting it off stays on a character boundary.
+    let digits = match shift {
+        0 => text,
+        _ => text.get(..text.len().saturating_sub(1)).unwrap_or_default(),
     };
     // u64::from_str would also take a leading '+'; only plain digits are a size.
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {

@@ -52,6 +52,10 @@ const OFF_DESC_NEXT: usize = 6;
 const OFF_DESC_COUNTER: usize = 8;
 
 /// Bytes one queue of `queue_size` entries takes in the region.
+#[allow(
+    clippy::arithmetic_side_effects,
+    reason = "at most 65535 entries of 16 bytes and a header: about 1 MiB"
+)]
 pub fn queue_region_size(queue_size: u16) -> u64 {
     let raw = QUEUE_HEADER_SIZE + DESC_STATE_SIZE * u64::from(queue_size);
     raw.div_ceil(QUEUE_REGION_ALIGN) * QUEUE_REGION_ALIGN
@@ -60,7 +64,7 @@ pub fn queue_region_size(queue_size: u16) -> u64 {
 /// Bytes the whole region takes for `num_queues` queues of `queue_size` entries.
 pub fn region_size(num_queues: u16, queue_size: u16) -> u64 {
     // At most 65535 × ~1 MiB: no overflow in u64.
-    u64::from(num_queues) * queue_region_size(queue_size)
+    u64::from(num_queues).saturating_mul(queue_region_size(queue_size))
 }
 
 /// The largest geometry a VMM may ask for: the device's own queue count and ring size, so a
@@ -329,8 +333,9 @@ impl InflightRegion {
     pub fn forget(&self) {
         let stride = queue_region_size(self.queue_size);
         for queue in 0..self.num_queues {
-            let version = usize::try_from(u64::from(queue) * stride)
-                .ok()
+            let version = u64::from(queue)
+                .checked_mul(stride)
+                .and_then(|base| usize::try_from(base).ok())
                 .and_then(|base| base.checked_add(OFF_VERSION))
                 .and_then(|offset| self.mapping.atomic::<AtomicU16>(offset));
             if let Some(version) = version {
@@ -349,8 +354,10 @@ impl InflightRegion {
         }
         let stride = queue_region_size(self.queue_size);
         // Within the mapping: queue < num_queues and the mapping is num_queues × stride.
-        let base =
-            usize::try_from(u64::from(queue) * stride).map_err(|_| InflightError::NoSuchQueue {
+        let base = u64::from(queue)
+            .checked_mul(stride)
+            .and_then(|base| usize::try_from(base).ok())
+            .ok_or(InflightError::NoSuchQueue {
                 queue,
                 num_queues: self.num_queues,
             })?;
@@ -415,7 +422,9 @@ impl QueueInflight {
         if head >= self.entries {
             return None;
         }
-        let entry = QUEUE_HEADER_SIZE as usize + usize::from(head) * DESC_STATE_SIZE as usize;
+        let entry = usize::from(head)
+            .checked_mul(usize::try_from(DESC_STATE_SIZE).ok()?)?
+            .checked_add(usize::try_from(QUEUE_HEADER_SIZE).ok()?)?;
         self.header(entry.checked_add(offset)?)
     }
 
@@ -533,7 +542,7 @@ impl QueueInflight {
                     break;
                 }
                 self.set_inflight(head, 0);
-                completed_batch += 1;
+                completed_batch = completed_batch.saturating_add(1);
                 head = self.next_of(head);
             }
             self.store16(OFF_USED_IDX, used_idx);
@@ -547,7 +556,7 @@ impl QueueInflight {
             }
             if head >= ring_size {
                 // Cannot be a head of this ring: stale or forged. Cleared so it never counts.
-                outside += 1;
+                outside = outside.saturating_add(1);
                 self.set_inflight(head, 0);
                 continue;
             }

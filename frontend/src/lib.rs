@@ -1,6 +1,17 @@
 //! blkplane-frontend as a library: the per-disk vhost-user-blk endpoint's parts, used by
 //! its binary (src/main.rs) and by the fuzz targets in fuzz/.
 
+// Tests may panic on what they set up themselves.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects,
+        clippy::cast_possible_truncation
+    )
+)]
 #![warn(missing_docs)]
 
 pub mod admin;

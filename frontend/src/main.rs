@@ -2,6 +2,18 @@
 //! disk. It validates the virtqueues itself and hands batches of requests to its
 //! `blkplane-iothread` processes over shared-memory rings.
 
+// Tests may panic on what they set up themselves.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects,
+        clippy::cast_possible_truncation
+    )
+)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -132,7 +144,7 @@ fn run(args: Args) -> Result<(), String> {
     if let Some(size) = args.image.null_size() {
         // A file's partial last block is simply not exposed; a null image has no reason to
         // have one.
-        if size % u64::from(args.block_size) != 0 {
+        if size.checked_rem(u64::from(args.block_size)) != Some(0) {
             return Err(format!(
                 "the null image size {size} is not a multiple of the block size {}",
                 args.block_size
@@ -189,8 +201,9 @@ fn run(args: Args) -> Result<(), String> {
         let queue_ids: Vec<u16> = (index..args.num_queues)
             .step_by(usize::from(iothreads))
             .collect();
-        let slot_count =
-            u32::try_from(queue_ids.len()).unwrap_or(u32::MAX) * u32::from(args.queue_size);
+        let slot_count = u32::try_from(queue_ids.len())
+            .unwrap_or(u32::MAX)
+            .saturating_mul(u32::from(args.queue_size));
         let mut link = IothreadLink::new(
             usize::from(index),
             Arc::clone(&spawner),

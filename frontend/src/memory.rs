@@ -142,7 +142,8 @@ impl MemoryTable {
         for pair in regions.windows(2) {
             if let [a, b] = pair {
                 // Sizes were checked not to overflow in map_region.
-                if a.desc.guest_base + a.desc.size > b.desc.guest_base {
+                let a_end = a.desc.guest_base.checked_add(a.desc.size);
+                if a_end.is_none_or(|end| end > b.desc.guest_base) {
                     return Err(MemoryError::Overlap(b.desc.guest_base));
                 }
             }
@@ -243,7 +244,10 @@ impl MemoryTable {
     pub fn vmm_to_guest(&self, user_addr: u64) -> Option<GuestAddress> {
         self.regions.iter().find_map(|r| {
             let offset = user_addr.checked_sub(r.desc.user_addr)?;
-            (offset < r.desc.size).then(|| GuestAddress(r.desc.guest_base + offset))
+            (offset < r.desc.size)
+                .then(|| r.desc.guest_base.checked_add(offset))
+                .flatten()
+                .map(GuestAddress)
         })
     }
 
@@ -274,13 +278,17 @@ impl MemoryTable {
                 .checked_sub(1)
                 .ok_or(PieceError::OutsideMemory)?;
             let region = self.regions.get(index).ok_or(PieceError::OutsideMemory)?;
-            let offset = addr - region.desc.guest_base;
+            let offset = addr
+                .checked_sub(region.desc.guest_base)
+                .ok_or(PieceError::OutsideMemory)?;
             let room = region.desc.size.checked_sub(offset).filter(|&r| r > 0);
             let room = room.ok_or(PieceError::OutsideMemory)?;
             let piece = u32::try_from(room.min(u64::from(left))).unwrap_or(left);
-            emit(index as u32, offset, piece).map_err(PieceError::Sink)?;
-            left -= piece;
-            addr += u64::from(piece);
+            let region_index = u32::try_from(index).map_err(|_| PieceError::OutsideMemory)?;
+            emit(region_index, offset, piece).map_err(PieceError::Sink)?;
+            // piece <= left, and addr + len was checked above.
+            left = left.saturating_sub(piece);
+            addr = addr.saturating_add(u64::from(piece));
         }
         Ok(())
     }

@@ -13,9 +13,9 @@ use blkplane_proto::ring::{
     Opcode, Segment, SlotHeader, SlotTable, RANGE_FLAG_UNMAP, SLOT_FLAG_SYNC,
 };
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH,
-    VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
-    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -144,12 +144,34 @@ pub enum RequestError {
     TooManySegments(u32),
 }
 
+/// The status byte of a request that succeeded (`VIRTIO_BLK_S_OK`).
+pub const STATUS_OK: u8 = status_byte(VIRTIO_BLK_S_OK);
+/// The status byte of a request that failed (`VIRTIO_BLK_S_IOERR`).
+pub const STATUS_IOERR: u8 = status_byte(VIRTIO_BLK_S_IOERR);
+/// The status byte of a request the device does not support (`VIRTIO_BLK_S_UNSUPP`).
+pub const STATUS_UNSUPP: u8 = status_byte(VIRTIO_BLK_S_UNSUPP);
+
+/// virtio-bindings' status value as the byte the device writes.
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "the assertion checks the value fits, at compile time"
+)]
+const fn status_byte(status: u32) -> u8 {
+    assert!(status <= u8::MAX as u32);
+    status as u8
+}
+
+/// `value` as a u32 for an error message, saturated: a hostile length may exceed it.
+fn saturate_u32(value: u64) -> u32 {
+    u32::try_from(value).unwrap_or(u32::MAX)
+}
+
 impl RequestError {
     /// The status to report, when the status byte is usable.
     pub fn status(&self) -> u8 {
         match self {
-            Self::UnsupportedType(_) | Self::UnsupportedFlags(_) => VIRTIO_BLK_S_UNSUPP as u8,
-            _ => VIRTIO_BLK_S_IOERR as u8,
+            Self::UnsupportedType(_) | Self::UnsupportedFlags(_) => STATUS_UNSUPP,
+            _ => STATUS_IOERR,
         }
     }
 }
@@ -206,7 +228,7 @@ impl Request {
     pub fn used_len(&self) -> u32 {
         match self.kind {
             RequestKind::Read { .. } => self.data_len.saturating_add(1),
-            RequestKind::GetId => SERIAL_LEN as u32 + 1,
+            RequestKind::GetId => saturate_u32(SERIAL_LEN as u64).saturating_add(1),
             _ => 1,
         }
     }
@@ -286,7 +308,8 @@ impl SegmentSink for SlotSink<'_> {
         self.slots
             .set_segment(self.slot, self.count, segment)
             .map_err(|_| SinkFull)?;
-        self.count += 1;
+        // set_segment refused any index past the slot's segments.
+        self.count = self.count.saturating_add(1);
         Ok(())
     }
 }
@@ -331,8 +354,8 @@ pub fn collect_chain(
                 return Err(ChainError::IndirectTooLong);
             }
             // count <= 1024, so it fits u16.
-            let count = count as u16;
-            let indirect_limit = out.len() + usize::from(count);
+            let count = u16::try_from(count).map_err(|_| ChainError::IndirectTooLong)?;
+            let indirect_limit = out.len().saturating_add(usize::from(count));
             let table = desc.addr();
             let mut inner = 0u16;
             loop {
@@ -398,7 +421,7 @@ pub fn parse(
     let status_addr = last
         .addr()
         .0
-        .checked_add(u64::from(last.len()) - 1)
+        .checked_add(u64::from(last.len().saturating_sub(1)))
         .ok_or(no_status(RequestError::AddressOverflow(last.addr().0)))?;
     if memory
         .for_each_piece::<()>(status_addr, 1, |_, _, _| Ok(()))
@@ -419,25 +442,28 @@ pub fn parse(
     let mut writable_len = 0u64;
     for d in descs {
         check_in_memory(memory, d).map_err(reject)?;
+        // At most queue_size + 1024 descriptors of under 4 GiB: far below u64::MAX.
         if d.is_write_only() {
-            writable_len += u64::from(d.len());
+            writable_len = writable_len.saturating_add(u64::from(d.len()));
         } else {
-            readable_len += u64::from(d.len());
+            readable_len = readable_len.saturating_add(u64::from(d.len()));
         }
     }
-    // The status byte is not data.
-    let writable_data = writable_len - 1;
+    // The status byte is not data (the status descriptor is writable and not empty).
+    let writable_data = writable_len.saturating_sub(1);
 
     let mut header = [0u8; HEADER_LEN as usize];
     if readable_len < u64::from(HEADER_LEN) {
-        return Err(reject(RequestError::HeaderTooShort(readable_len as u32)));
+        return Err(reject(RequestError::HeaderTooShort(saturate_u32(
+            readable_len,
+        ))));
     }
     read_stream(memory.guest_memory(), readable, 0, &mut header)
         .map_err(|addr| reject(RequestError::OutsideMemory(addr)))?;
     let [t0, t1, t2, t3, _, _, _, _, s @ ..] = header;
     let request_type = u32::from_le_bytes([t0, t1, t2, t3]);
     let sector = u64::from_le_bytes(s);
-    let readable_payload = readable_len - u64::from(HEADER_LEN);
+    let readable_payload = readable_len.saturating_sub(u64::from(HEADER_LEN));
 
     let request = |kind, data_len: u32, bytes, segments| Request {
         kind,
@@ -479,7 +505,9 @@ pub fn parse(
         VIRTIO_BLK_T_FLUSH => Ok(request(RequestKind::Flush, 0, 0, 0)),
         VIRTIO_BLK_T_GET_ID => {
             if writable_data < SERIAL_LEN as u64 {
-                return Err(reject(RequestError::GetIdTooSmall(writable_data as u32)));
+                return Err(reject(RequestError::GetIdTooSmall(saturate_u32(
+                    writable_data,
+                ))));
             }
             Ok(request(RequestKind::GetId, 0, 0, 0))
         }
@@ -556,17 +584,22 @@ fn read_stream(
             break;
         }
         let len = u64::from(d.len());
-        if skip >= len {
-            skip -= len;
+        let Some(rest) = len.checked_sub(skip).filter(|&rest| rest > 0) else {
+            skip = skip.saturating_sub(len);
             continue;
-        }
-        let take = ((len - skip) as usize).min(buf.len() - filled);
-        let addr = d.addr().0 + skip;
-        let dst = buf.get_mut(filled..filled + take).ok_or(addr)?;
+        };
+        // rest <= u32::MAX; filled <= buf.len() (checked at the top of the loop).
+        let room = buf.len().saturating_sub(filled);
+        let take = blkplane_proto::usize_from(rest).min(room);
+        let addr = d.addr().0.checked_add(skip).ok_or(d.addr().0)?;
+        let dst = buf
+            .get_mut(filled..)
+            .and_then(|b| b.get_mut(..take))
+            .ok_or(addr)?;
         memory
             .read_slice(dst, GuestAddress(addr))
             .map_err(|_| addr)?;
-        filled += take;
+        filled = filled.saturating_add(take);
         skip = 0;
     }
     if filled == buf.len() {
@@ -587,10 +620,14 @@ pub fn write_stream(
         if written == bytes.len() {
             break;
         }
-        let take = (d.len() as usize).min(bytes.len() - written);
-        let src = bytes.get(written..written + take).ok_or(d.addr().0)?;
+        let room = bytes.len().saturating_sub(written);
+        let take = (d.len() as usize).min(room);
+        let src = bytes
+            .get(written..)
+            .and_then(|b| b.get(..take))
+            .ok_or(d.addr().0)?;
         memory.write_slice(src, d.addr()).map_err(|_| d.addr().0)?;
-        written += take;
+        written = written.saturating_add(take);
     }
     if written == bytes.len() {
         Ok(())
@@ -616,20 +653,24 @@ fn emit_stream(
         if left == 0 {
             break;
         }
-        let dlen = d.len();
-        if skip >= u64::from(dlen) {
-            skip -= u64::from(dlen);
+        let dlen = u64::from(d.len());
+        let Some(rest) = dlen.checked_sub(skip).filter(|&rest| rest > 0) else {
+            skip = skip.saturating_sub(dlen);
             continue;
-        }
-        // skip < dlen <= u32::MAX here.
-        let start = d.addr().0 + skip;
-        let take = (dlen - skip as u32).min(left);
+        };
+        // skip < dlen <= u32::MAX here, so rest fits a u32.
+        let start = d
+            .addr()
+            .0
+            .checked_add(skip)
+            .ok_or(RequestError::AddressOverflow(d.addr().0))?;
+        let take = saturate_u32(rest).min(left);
         memory
             .for_each_piece(start, take, |region, offset, piece| {
                 if count >= limit {
                     return Err(SinkFull);
                 }
-                count += 1;
+                count = count.saturating_add(1);
                 sink.push(Segment {
                     offset,
                     len: piece,
@@ -641,7 +682,8 @@ fn emit_stream(
                 PieceError::Overflow => RequestError::AddressOverflow(start),
                 PieceError::OutsideMemory => RequestError::OutsideMemory(start),
             })?;
-        left -= take;
+        // take <= left.
+        left = left.saturating_sub(take);
         skip = 0;
     }
     Ok(count)
@@ -656,18 +698,21 @@ fn parse_ranges(
     sink: &mut impl SegmentSink,
 ) -> Result<(u32, u64), RequestError> {
     if payload == 0 || !payload.is_multiple_of(u64::from(RANGE_LEN)) {
-        return Err(RequestError::RangeListLength(payload as u32));
+        return Err(RequestError::RangeListLength(saturate_u32(payload)));
     }
-    let count = payload / u64::from(RANGE_LEN);
+    let count = payload.checked_div(u64::from(RANGE_LEN)).unwrap_or(0);
     if count > u64::from(MAX_DISCARD_SEGMENTS) {
-        return Err(RequestError::TooManyRanges(count as u32));
+        return Err(RequestError::TooManyRanges(saturate_u32(count)));
     }
-    // count <= 32.
-    let count = count as u32;
+    // count <= MAX_DISCARD_SEGMENTS, a u32.
+    let count = saturate_u32(count);
     let mut bytes = 0u64;
     for i in 0..count {
         let mut raw = [0u8; RANGE_LEN as usize];
-        let skip = u64::from(HEADER_LEN) + u64::from(i * RANGE_LEN);
+        // i < count <= MAX_DISCARD_SEGMENTS: a few hundred bytes past the header.
+        let skip = u64::from(i)
+            .saturating_mul(u64::from(RANGE_LEN))
+            .saturating_add(u64::from(HEADER_LEN));
         read_stream(memory.guest_memory(), readable, skip, &mut raw)
             .map_err(RequestError::OutsideMemory)?;
         let [s0, s1, s2, s3, s4, s5, s6, s7, n0, n1, n2, n3, f0, f1, f2, f3] = raw;
@@ -697,12 +742,12 @@ fn parse_ranges(
         };
         sink.push(Segment {
             offset,
-            // sectors <= 2^22, so len <= 2^31.
-            len: len as u32,
+            // sectors <= MAX_DISCARD_SECTORS (2^22), so len <= 2^31.
+            len: saturate_u32(len),
             aux: unmap,
         })
         .map_err(|SinkFull| RequestError::TooManySegments(count))?;
-        bytes += len;
+        bytes = bytes.saturating_add(len);
     }
     Ok((count, bytes))
 }

@@ -217,9 +217,11 @@ impl Spawner {
 fn decode_reply(bytes: &[u8]) -> Result<(i32, u32, Option<ExitStatus>), SpawnerError> {
     let bytes: &[u8; REPLY_LEN] = bytes.try_into().map_err(|_| SpawnerError::Malformed)?;
     let word = |i: usize| -> [u8; 4] {
-        let mut w = [0u8; 4];
-        w.copy_from_slice(&bytes[i * 4..i * 4 + 4]);
-        w
+        bytes
+            .chunks_exact(4)
+            .nth(i)
+            .and_then(|w| w.try_into().ok())
+            .unwrap_or_default()
     };
     let status = i32::from_le_bytes(word(3));
     let previous = (status != NO_STATUS).then(|| ExitStatus {
@@ -304,7 +306,7 @@ fn close_all_but(keep: &[RawFd]) -> io::Result<()> {
             continue;
         };
         if fd > first {
-            close_range(first, fd - 1)?;
+            close_range(first, fd.saturating_sub(1))?;
         }
         first = first.max(fd.saturating_add(1));
     }
@@ -501,10 +503,13 @@ fn spawn_one(
         unsafe { libc::kill(pid, libc::SIGKILL) };
         return Err(e);
     }
-    // SAFETY: pidfd_open returned a new descriptor that nothing else owns. Pids and pidfds
-    // are non-negative, and a pidfd fits a c_int.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
-    Ok((pid as u32, pidfd))
+    // Pids and pidfds are non-negative, and a pidfd fits a c_int.
+    let (Ok(pidfd), Ok(pid)) = (RawFd::try_from(pidfd), u32::try_from(pid)) else {
+        return Err(io::Error::from_raw_os_error(libc::EOVERFLOW));
+    };
+    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    Ok((pid, pidfd))
 }
 
 /// The forked child: place the control socket, die with the spawner, restore the signal

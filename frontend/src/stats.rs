@@ -28,13 +28,14 @@ pub fn latency_bucket(latency: Duration) -> usize {
         .unwrap_or(u64::MAX)
         .max(1);
     // ceil(log2(micros)): 1 µs → 0, 2 → 1, 3..=4 → 2, …
-    let bucket = (u64::BITS - (micros - 1).leading_zeros()) as usize;
-    bucket.min(LATENCY_BUCKETS - 1)
+    // micros >= 1, and leading_zeros() <= 64 = u64::BITS.
+    let bits = u64::BITS.saturating_sub(micros.saturating_sub(1).leading_zeros());
+    (bits as usize).min(LATENCY_BUCKETS.saturating_sub(1))
 }
 
 /// Upper bound of bucket `i` in µs (the last is unbounded).
 pub fn bucket_upper_bound_us(i: usize) -> u64 {
-    if i + 1 >= LATENCY_BUCKETS {
+    if i.saturating_add(1) >= LATENCY_BUCKETS {
         u64::MAX
     } else {
         1u64 << i

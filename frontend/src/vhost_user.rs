@@ -156,7 +156,7 @@ impl BlkBackend {
     fn worker_for(&self, queue: u16) -> VhostResult<&WorkerHandle> {
         let count = self.workers.len().max(1);
         self.workers
-            .get(usize::from(queue) % count)
+            .get(usize::from(queue).checked_rem(count).unwrap_or(0))
             .ok_or(VhostError::BackendInternalError)
     }
 
@@ -441,6 +441,10 @@ fn track_inflight(
 /// The device writes the used ring, so an overlap makes it change what it reads next: a used
 /// ring on the avail ring moves the avail index with every used entry, and a worker completing
 /// rejected chains at once would then pop forever without the guest doing anything more.
+#[allow(
+    clippy::arithmetic_side_effects,
+    reason = "entries <= 65535: every span is below 1 MiB"
+)]
 pub fn used_ring_overlap(
     desc: GuestAddress,
     avail: GuestAddress,

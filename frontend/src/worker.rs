@@ -181,7 +181,8 @@ impl WorkerHandle {
             throttler: Throttler::new(slot_count)?,
         };
         worker.scratch.reserve(
-            usize::from(worker.disk.queue_size) + usize::from(request::MAX_INDIRECT_DESCRIPTORS),
+            usize::from(worker.disk.queue_size)
+                .saturating_add(usize::from(request::MAX_INDIRECT_DESCRIPTORS)),
         );
         worker.publish_iothread_pid();
         worker.watch(worker.wake.as_raw_fd(), TOKEN_COMMAND)?;
@@ -308,7 +309,7 @@ fn next_head(queue: &mut Queue, mem: &GuestMemoryMmap) -> Result<Option<u16>, vi
 fn log_used_ring(log: Option<&DirtyLog>, queue: &Queue) {
     if let Some(log) = log {
         // 2 (flags) + 2 (idx) + 8 per entry + 2 (avail_event).
-        let len = 6 + 8 * u64::from(queue.size());
+        let len = u64::from(queue.size()).saturating_mul(8).saturating_add(6);
         log.mark(queue.used_ring(), len);
     }
 }
@@ -401,7 +402,7 @@ impl Worker {
                     TOKEN_THROTTLE => self.release_throttled(),
                     TOKEN_IOTHREAD => iothread_died = true,
                     local => {
-                        let local = local as usize;
+                        let local = blkplane_proto::usize_from(local);
                         if let Some(Some(rq)) = self.queues.get(local) {
                             drain_eventfd(rq.kick.as_raw_fd());
                             self.process_queue(local);
@@ -616,7 +617,7 @@ impl Worker {
                     signal_eventfd(rq.kick.as_raw_fd());
                     return;
                 }
-                budget -= 1;
+                budget = budget.saturating_sub(1);
                 let head = match next_head(&mut rq.queue, mem) {
                     Ok(Some(head)) => head,
                     Ok(None) => break,
@@ -677,10 +678,14 @@ impl Worker {
         }
         // Checked before anything completes the head: completing it would return the chain
         // that is still in flight.
-        let slot = local as u32 * u32::from(self.disk.queue_size) + u32::from(head);
-        if self.slots.get(slot as usize).is_none_or(|s| s.in_flight) {
+        let slot = u32::try_from(local)
+            .ok()
+            .and_then(|local| local.checked_mul(u32::from(self.disk.queue_size)))
+            .and_then(|first| first.checked_add(u32::from(head)))
+            .filter(|&slot| self.slots.get(slot as usize).is_some_and(|s| !s.in_flight));
+        let Some(slot) = slot else {
             return self.break_queue(local, "driver made an in-flight head available again");
-        }
+        };
         // From here on every path ends in add_used (at once or after the iothread); until
         // then a crash leaves the head marked and the next process resubmits it.
         if let Some(Some(RunningQueue {
@@ -717,12 +722,12 @@ impl Worker {
                 if let Some(counters) = self.counters(local) {
                     counters.answered(true);
                 }
-                let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
+                let ok = Some((request.status, request::STATUS_OK));
                 return self.complete_now(local, head, ok, 1, mem);
             }
             let status = match request::write_stream(mem, &self.scratch, &self.disk.serial) {
-                Ok(()) => VIRTIO_BLK_S_OK as u8,
-                Err(_) => VIRTIO_BLK_S_IOERR as u8,
+                Ok(()) => request::STATUS_OK,
+                Err(_) => request::STATUS_IOERR,
             };
             if let Some(log) = &self.dirty_log {
                 for d in self.scratch.iter().filter(|d| d.is_write_only()) {
@@ -751,13 +756,14 @@ impl Worker {
             // Cannot happen while every slot has a queue entry reserved; fail the request
             // rather than lose it. (A throttled one is only queued once its header is set.)
             error!("worker {}: cannot submit slot {slot}: {e}", self.index);
-            let failed = Some((request.status, VIRTIO_BLK_S_IOERR as u8));
+            let failed = Some((request.status, request::STATUS_IOERR));
             return self.complete_now(local, head, failed, 1, mem);
         }
         if let Some(state) = self.slots.get_mut(slot as usize) {
             *state = SlotState {
                 in_flight: true,
-                local_queue: local as u16,
+                // local < num_queues, a u16.
+                local_queue: u16::try_from(local).unwrap_or(u16::MAX),
                 head,
                 status: request.status,
                 used_len: request.used_len(),
@@ -771,10 +777,11 @@ impl Worker {
         if let Some(counters) = self.counters(local) {
             counters.submitted();
         }
+        // At most one per slot: neither count can overflow.
         if let Some(Some(rq)) = self.queues.get_mut(local) {
-            rq.in_flight += 1;
+            rq.in_flight = rq.in_flight.saturating_add(1);
         }
-        self.in_flight += 1;
+        self.in_flight = self.in_flight.saturating_add(1);
     }
 
     fn note_rejection(&mut self, local: usize, why: &str, with_status: bool) {
@@ -902,10 +909,12 @@ impl Worker {
             .ok_or("slot not in flight")?;
         state.in_flight = false;
         let state = *state;
-        self.in_flight -= 1;
+        // This slot was in flight, so the count is at least 1.
+        self.in_flight = self.in_flight.saturating_sub(1);
         let status = match completion.status {
-            VIRTIO_BLK_S_OK | VIRTIO_BLK_S_IOERR | VIRTIO_BLK_S_UNSUPP => completion.status as u8,
-            _ => VIRTIO_BLK_S_IOERR as u8,
+            VIRTIO_BLK_S_OK => request::STATUS_OK,
+            VIRTIO_BLK_S_UNSUPP => request::STATUS_UNSUPP,
+            _ => request::STATUS_IOERR,
         };
         let used = if u32::from(status) == VIRTIO_BLK_S_OK {
             state.used_len
@@ -1019,12 +1028,12 @@ impl Worker {
         self.link.stop();
         // What it completed before dying is genuine; anything malformed is simply resubmitted.
         let _ = self.reap_completions();
-        let mut attempt = 0;
+        let mut attempt = 0u32;
         loop {
             match self.link.start(&self.memory) {
                 Ok(()) => break,
                 Err(e) => {
-                    attempt += 1;
+                    attempt = attempt.saturating_add(1);
                     error!(
                         "worker {}: cannot restart iothread (attempt {attempt}): {e}",
                         self.index
@@ -1062,12 +1071,9 @@ impl Worker {
             }
         }
         let mut resubmitted = 0u32;
-        for (slot, state) in self.slots.iter().enumerate() {
-            if state.in_flight
-                && !state.throttled
-                && self.link.submissions.push(slot as u32).is_ok()
-            {
-                resubmitted += 1;
+        for (slot, state) in (0u32..).zip(self.slots.iter()) {
+            if state.in_flight && !state.throttled && self.link.submissions.push(slot).is_ok() {
+                resubmitted = resubmitted.saturating_add(1);
             }
         }
         info!(
@@ -1090,11 +1096,12 @@ impl Worker {
         });
         let memory = Arc::clone(&self.memory);
         let mem = memory.guest_memory();
-        for slot in 0..self.slots.len() {
-            if self.slots.get(slot).is_some_and(|s| s.in_flight) {
+        let count = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+        for slot in 0..count {
+            if self.slots.get(slot as usize).is_some_and(|s| s.in_flight) {
                 let _ = self.finish(
                     Completion {
-                        slot: slot as u32,
+                        slot,
                         status: VIRTIO_BLK_S_IOERR,
                     },
                     mem,

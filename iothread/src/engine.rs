@@ -173,8 +173,8 @@ impl Token {
             (TAG_SUBMIT_POLL, 0) => Some(Self::SubmitPoll),
             (TAG_CONTROL_POLL, 0) => Some(Self::ControlPoll),
             (TAG_SLOT, _) if payload >> (STAGE_SHIFT + 8) == 0 => Some(Self::Slot {
-                stage: Stage::from_raw((payload >> STAGE_SHIFT) as u8)?,
-                slot: payload as u32,
+                stage: Stage::from_raw(u8::try_from(payload >> STAGE_SHIFT).ok()?)?,
+                slot: u32::try_from(payload & u64::from(u32::MAX)).ok()?,
             }),
             _ => None,
         }
@@ -219,7 +219,7 @@ struct Complaints(u64);
 
 impl Complaints {
     fn should_log(&mut self) -> bool {
-        self.0 += 1;
+        self.0 = self.0.saturating_add(1);
         self.0 <= 16 || self.0.is_power_of_two()
     }
 }
@@ -238,7 +238,9 @@ impl Engine {
         check_opcodes(&uring)?;
         restrict_and_enable(&uring)?;
         let segments = slots.segments_per_slot() as usize;
-        let state_bytes = u64::from(count) * segments as u64 * SLOT_BYTES_PER_SEGMENT;
+        let state_bytes = u64::from(count)
+            .saturating_mul(segments as u64)
+            .saturating_mul(SLOT_BYTES_PER_SEGMENT);
         if state_bytes > MAX_SLOT_STATE_BYTES {
             return Err(EngineError::Alloc(count));
         }
@@ -249,7 +251,7 @@ impl Engine {
         states.extend((0..count).map(|_| SlotState::new(segments)));
         let mut pending = VecDeque::new();
         pending
-            .try_reserve_exact(count as usize + RESERVED_OPS as usize)
+            .try_reserve_exact((count as usize).saturating_add(RESERVED_OPS as usize))
             .map_err(|_| EngineError::Alloc(count))?;
         info!(
             "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}",
@@ -438,7 +440,8 @@ impl Core {
         }
         match parsed {
             Ok(request) => {
-                self.in_flight += 1;
+                // At most one per slot: cannot saturate.
+                self.in_flight = self.in_flight.saturating_add(1);
                 let step = if self.image.is_null() {
                     // SAFETY: `parse` just filled the slot's iovecs with ranges inside the
                     // current memory table's mappings, which stay mapped until the next
@@ -558,7 +561,11 @@ impl Core {
 
     /// Handles one CQE.
     fn on_cqe(&mut self, user_data: u64, result: i32) -> Result<(), EngineError> {
-        let errno = if result < 0 { -result } else { 0 };
+        let errno = if result < 0 {
+            result.saturating_neg()
+        } else {
+            0
+        };
         let retry = matches!(errno, libc::EINTR | libc::EAGAIN | libc::ECANCELED);
         match Token::decode(user_data) {
             None => warn!("ignoring a completion with unknown user data {user_data:#x}"),
@@ -683,7 +690,7 @@ fn build_uring(slot_count: u32) -> Result<IoUring, EngineError> {
         .checked_next_power_of_two()
         .unwrap_or(1 << 31);
     let sq_entries = wanted.clamp(8, MAX_SQ_ENTRIES);
-    let cq_entries = wanted.max(2 * sq_entries);
+    let cq_entries = wanted.max(sq_entries.saturating_mul(2));
     // Cooperative task running and single issuer only save work; older kernels refuse them.
     // Created disabled, to be restricted before its first use (restrict_and_enable).
     IoUring::builder()
@@ -777,10 +784,9 @@ mod tests {
             sq.push(&openat).unwrap();
         }
         // SAFETY: writing 8 bytes to an eventfd we own.
-        assert_eq!(
-            unsafe { libc::write(event.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) },
-            8
-        );
+        let written =
+            unsafe { libc::write(event.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) };
+        assert_eq!(written, 8);
         uring.submit_and_wait(2).unwrap();
         let mut results: Vec<(u64, i32)> = uring
             .completion()

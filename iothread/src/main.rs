@@ -9,6 +9,18 @@
 //! or died); 1 on any error (bad setup, control protocol violation, broken ring); 2 for a bad
 //! command line.
 
+// Tests may panic on what they set up themselves.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects,
+        clippy::cast_possible_truncation
+    )
+)]
+
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -207,7 +219,7 @@ fn take_control_socket(fd: RawFd) -> Result<UnixStream, Error> {
 /// The socket type (`SOCK_STREAM`, `SOCK_SEQPACKET`...) of `socket`, if it is a socket.
 fn socket_type(socket: &File) -> Option<libc::c_int> {
     let mut kind: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let mut len: libc::socklen_t = libc::c_int::BITS / 8;
     // SAFETY: SO_TYPE writes one c_int into `kind`, whose size is passed in `len`.
     let rc = unsafe {
         libc::getsockopt(

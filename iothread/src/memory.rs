@@ -100,8 +100,8 @@ impl Region {
         if end > self.len {
             return None;
         }
-        // `offset < len <= mapping_len - lead`, so the sum cannot overflow a usize.
-        let start = self.lead + usize::try_from(offset).ok()?;
+        // `offset < len <= mapping_len - lead`, so the sum does not overflow a usize.
+        let start = self.lead.checked_add(usize::try_from(offset).ok()?)?;
         // SAFETY: `start <= lead + len <= mapping_len`, so the pointer stays inside (or one past
         // the end of) the mapping, which is at most isize::MAX bytes long (checked in `map_one`).
         Some(unsafe { self.mapping.as_ptr().add(start) })
@@ -191,8 +191,9 @@ fn map_one(index: usize, spec: &MemoryRegionSpec, file: &File) -> Result<Region,
         });
     }
     let align = map_alignment(file);
-    let map_offset = spec.mmap_offset - spec.mmap_offset % align;
-    let lead = spec.mmap_offset - map_offset;
+    // map_alignment is a power of two, never 0; the remainder is at most the offset.
+    let lead = spec.mmap_offset.checked_rem(align).unwrap_or(0);
+    let map_offset = spec.mmap_offset.saturating_sub(lead);
     let (Ok(lead), Some(map_len)) = (
         usize::try_from(lead),
         lead.checked_add(spec.size)

@@ -243,9 +243,10 @@ fn parse_data(
             iov_base: address.cast(),
             iov_len: segment.len as usize,
         };
-        filled += 1;
+        // Bounded by the slot's segment count.
+        filled = filled.saturating_add(1);
         // At most 4096 segments of under 4 GiB each: the sum cannot overflow a u64.
-        total += u64::from(segment.len);
+        total = total.saturating_add(u64::from(segment.len));
     }
     Ok((total, filled))
 }
@@ -286,7 +287,8 @@ fn parse_ranges(
             len: u64::from(segment.len),
             unmap: segment.aux & RANGE_FLAG_UNMAP != 0,
         };
-        filled += 1;
+        // Bounded by the slot's segment count.
+        filled = filled.saturating_add(1);
     }
     Ok(filled)
 }

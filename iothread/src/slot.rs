@@ -356,8 +356,8 @@ impl SlotState {
         self.used_direct = direct;
         Transfer {
             iovecs: chunk.as_ptr(),
-            // At most MAX_IOVECS_PER_OP.
-            count: chunk.len() as u32,
+            // At most MAX_IOVECS_PER_OP, so the conversion never saturates.
+            count: u32::try_from(chunk.len()).unwrap_or(u32::MAX),
             offset: self.offset,
             write: self.opcode == Opcode::Write,
             direct,
@@ -390,7 +390,8 @@ impl SlotState {
                     .iovecs
                     .get_mut(self.iov_next..self.iov_end)
                     .unwrap_or_default();
-                self.iov_next += advance(pending, done);
+                // advance() returns at most pending.len() = iov_end - iov_next.
+                self.iov_next = self.iov_next.saturating_add(advance(pending, done));
                 self.offset = self.offset.saturating_add(done);
                 self.remaining = self.remaining.saturating_sub(done);
                 if self.remaining > 0 && self.iov_next >= self.iov_end {
@@ -429,7 +430,8 @@ impl SlotState {
     pub fn on_range(&mut self, result: i32, support: &mut FallocateSupport) -> Step {
         let step = match result {
             0.. => {
-                self.range_next += 1;
+                // Bounded by the slot's range count.
+                self.range_next = self.range_next.saturating_add(1);
                 self.next_range(support)
             }
             _ => match result.saturating_neg() {
@@ -455,12 +457,13 @@ pub fn advance(iovecs: &mut [libc::iovec], mut done: u64) -> usize {
         let len = iov.iov_len as u64;
         if done < len {
             // `done < len` fits a usize because `iov_len` does.
-            let done = done as usize;
+            let done = blkplane_proto::usize_from(done);
             iov.iov_base = iov.iov_base.cast::<u8>().wrapping_add(done).cast();
-            iov.iov_len -= done;
+            iov.iov_len = iov.iov_len.saturating_sub(done);
             return index;
         }
-        done -= len;
+        // done >= len here.
+        done = done.saturating_sub(len);
     }
     iovecs.len()
 }

@@ -5,6 +5,14 @@
 //! Every wait is bounded (see [`TIMEOUT`]) so a broken iothread fails a test instead of hanging
 //! it, and every spawned iothread is killed when its [`Frontend`] is dropped.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects,
+    clippy::cast_possible_truncation
+)]
+
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};

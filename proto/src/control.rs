@@ -113,7 +113,8 @@ impl ControlRequest {
         match self {
             // A null image has no fds; the iothread refuses DIRECT_FD along with it.
             Self::Setup { flags, .. } if flags & SETUP_FLAG_NULL_IMAGE != 0 => 3,
-            Self::Setup { flags, .. } => 4 + usize::from(flags & SETUP_FLAG_DIRECT_FD != 0),
+            Self::Setup { flags, .. } if flags & SETUP_FLAG_DIRECT_FD != 0 => 5,
+            Self::Setup { .. } => 4,
             Self::SetMemoryTable(regions) => regions.len(),
             Self::Shutdown => 0,
         }
@@ -135,7 +136,10 @@ impl ControlRequest {
             }
             Self::SetMemoryTable(regions) => {
                 out.extend_from_slice(&TAG_SET_MEMORY_TABLE.to_le_bytes());
-                out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+                // More regions than a u32 counts cannot be sent (nor fds for them): the count saturates
+                // and the receiver refuses the message for its fd count.
+                let count = u32::try_from(regions.len()).unwrap_or(u32::MAX);
+                out.extend_from_slice(&count.to_le_bytes());
                 for region in regions {
                     out.extend_from_slice(&region.size.to_le_bytes());
                     out.extend_from_slice(&region.mmap_offset.to_le_bytes());

@@ -21,7 +21,7 @@ pub fn parse_cpu_list(text: &str) -> Result<Vec<usize>, String> {
             return Err(format!("range {part:?} is backwards"));
         }
         if last >= limit {
-            return Err(format!("CPU {last} is beyond {}", limit - 1));
+            return Err(format!("CPU {last} is beyond {}", limit.saturating_sub(1)));
         }
         cpus.extend(first..=last);
     }

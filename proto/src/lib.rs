@@ -10,6 +10,18 @@
 //!   (`blkplane/v1/control.proto`) is generated in the `blkplane-control` crate and reuses
 //!   these messages.
 
+// Tests may panic on what they set up themselves.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects,
+        clippy::cast_possible_truncation
+    )
+)]
+
 pub mod control;
 pub mod cpus;
 pub mod ring;
@@ -20,4 +32,18 @@ pub mod throttle;
 #[allow(missing_docs, clippy::all)]
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/blkplane.v1.rs"));
+}
+
+// blkplane runs on 64-bit Linux only: u64 file offsets, lengths and guest addresses fit a usize.
+const _: () = assert!(usize::BITS == u64::BITS, "blkplane needs a 64-bit target");
+
+/// `value` as a `usize`, losslessly: the crate builds only for 64-bit targets (asserted above),
+/// so offsets and lengths of shared mappings and guest memory convert without a check.
+#[inline]
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "usize is 64 bits wide (asserted at compile time)"
+)]
+pub const fn usize_from(value: u64) -> usize {
+    value as usize
 }

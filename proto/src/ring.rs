@@ -237,12 +237,21 @@ pub struct RingLayout {
     pub total_size: u64,
 }
 
+#[allow(
+    clippy::arithmetic_side_effects,
+    reason = "only called by RingLayout::new on bounded geometry, far below u64::MAX"
+)]
 fn align_up(value: u64, align: u64) -> u64 {
     value.div_ceil(align) * align
 }
 
 impl RingLayout {
     /// Computes the layout for `slot_count` slots of `segments_per_slot` segments each.
+    #[allow(
+        clippy::arithmetic_side_effects,
+        reason = "slot_count <= 2^20 and segments_per_slot <= 4096 are checked first: the ring \
+                  is below 2^37 bytes"
+    )]
     pub fn new(slot_count: u32, segments_per_slot: u32) -> Result<Self> {
         if slot_count == 0 || slot_count > MAX_SLOTS {
             return Err(RingError::Geometry("slot count must be 1..=2^20"));
@@ -350,9 +359,10 @@ impl Mapping {
     /// A pointer `offset` bytes into the mapping; callers only pass offsets that come from a
     /// validated [`RingLayout`] whose `total_size` is at most the mapping's length.
     fn at<T>(&self, offset: u64) -> *mut T {
-        debug_assert!(offset as usize + size_of::<T>() <= self.0.len());
+        let offset = crate::usize_from(offset);
+        debug_assert!(offset.checked_add(size_of::<T>()) <= Some(self.0.len()));
         // SAFETY: in bounds per the contract above.
-        unsafe { self.0.as_ptr().add(offset as usize).cast::<T>() }
+        unsafe { self.0.as_ptr().add(offset).cast::<T>() }
     }
 }
 
@@ -430,6 +440,10 @@ impl SharedRing {
         }
     }
 
+    #[allow(
+        clippy::arithmetic_side_effects,
+        reason = "offset and entries (a power of two, at least 1) come from a validated RingLayout"
+    )]
     fn queue<T: Copy>(&self, offset: u64, entries: u32) -> QueueView<T> {
         QueueView {
             indices: self.mapping.at::<QueueIndices>(offset),
@@ -634,8 +648,10 @@ impl SlotTable {
         if slot >= self.count {
             return Err(RingError::BadSlot(slot));
         }
+        // slot < count and the layout reserved count × stride bytes, so this cannot overflow.
+        let offset = u64::from(slot).saturating_mul(self.stride);
         // SAFETY: slot < count, and the layout reserved count × stride bytes.
-        Ok(unsafe { self.base.add((u64::from(slot) * self.stride) as usize) })
+        Ok(unsafe { self.base.add(crate::usize_from(offset)) })
     }
 
     /// Reads a slot's header.
