@@ -34,6 +34,9 @@ pub enum MemoryError {
     /// Two regions share guest addresses.
     #[error("memory region at guest address {0:#x} overlaps another region")]
     Overlap(u64),
+    /// Two regions share VMM addresses.
+    #[error("memory region at VMM address {0:#x} overlaps another region's VMM addresses")]
+    VmmOverlap(u64),
     /// More regions than advertised with GET_MAX_MEM_SLOTS.
     #[error("more than {MAX_MEMORY_REGIONS} memory regions")]
     TooManyRegions,
@@ -137,6 +140,17 @@ impl MemoryTable {
     fn from_regions(mut regions: Vec<Region>) -> Result<Self, MemoryError> {
         if regions.len() > MAX_MEMORY_REGIONS {
             return Err(MemoryError::TooManyRegions);
+        }
+        // The VMM's addresses of two regions must not overlap either: SET_VRING_ADDR names
+        // rings by VMM address, which would then translate to two guest addresses.
+        regions.sort_by_key(|r| r.desc.user_addr);
+        for pair in regions.windows(2) {
+            if let [a, b] = pair {
+                let a_end = a.desc.user_addr.checked_add(a.desc.size);
+                if a_end.is_none_or(|end| end > b.desc.user_addr) {
+                    return Err(MemoryError::VmmOverlap(b.desc.user_addr));
+                }
+            }
         }
         regions.sort_by_key(|r| r.desc.guest_base);
         for pair in regions.windows(2) {

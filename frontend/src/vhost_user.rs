@@ -73,7 +73,14 @@ pub struct BlkBackend {
     /// The last request was refused and the VMM was told so with a REPLY_ACK status (see
     /// [`BlkBackend::take_acked_refusal`]).
     acked_refusal: bool,
+    /// SET_OWNER was received on this connection: it starts a session, once.
+    owned: bool,
 }
+
+/// The most regions one SET_MEM_TABLE may carry: the spec's "up to 8"
+/// (VHOST_MEMORY_BASELINE_NREGIONS in QEMU and libvhost-user; its fd array has 8 entries).
+/// More memory slots go one by one with ADD_MEM_REG (CONFIGURE_MEM_SLOTS).
+pub const SET_MEM_TABLE_MAX_REGIONS: usize = 8;
 
 fn invalid(what: &str) -> VhostError {
     warn!("refused vhost-user request: {what}");
@@ -111,6 +118,7 @@ impl BlkBackend {
             dirty_log: None,
             image,
             acked_refusal: false,
+            owned: false,
         }
     }
 
@@ -374,6 +382,7 @@ impl BlkBackend {
     /// The VMM disconnected: reset the device and end the session — memory released,
     /// protocol features and back-end channel forgotten — ready for the next connection.
     pub fn disconnect(&mut self) {
+        self.owned = false;
         self.reset_device_state();
         for vring in &mut self.vrings {
             vring.err = None;
@@ -436,6 +445,56 @@ fn track_inflight(
     Ok((Some(tracker), recovered))
 }
 
+/// Checks, when SET_VRING_ADDR arrives, that the descriptor table, avail ring and used ring
+/// named by VMM addresses lie in guest memory: each start translates through the memory
+/// table, and, once SET_VRING_NUM gave the ring's `size`, each whole area is inside guest
+/// memory. (A later memory-table change is checked again when the ring starts.)
+#[allow(
+    clippy::arithmetic_side_effects,
+    reason = "size <= 32768: every area is below 1 MiB"
+)]
+fn ring_areas_in_memory(
+    memory: &MemoryTable,
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+) -> Result<(), String> {
+    if memory.is_empty() {
+        return Err("no memory table yet".into());
+    }
+    let entries = u32::from(size);
+    // With the size unknown yet, only the first byte of each area can be checked.
+    let len = |per_entry: u32, fixed: u32| {
+        if size == 0 {
+            1
+        } else {
+            per_entry * entries + fixed
+        }
+    };
+    let areas = [
+        ("descriptor table", desc, len(16, 0)),
+        // flags, idx, ring, used_event
+        ("avail ring", avail, len(2, 6)),
+        // flags, idx, ring, avail_event
+        ("used ring", used, len(8, 6)),
+    ];
+    for (what, vmm_addr, len) in areas {
+        let guest = memory
+            .vmm_to_guest(vmm_addr)
+            .ok_or_else(|| format!("{what} at VMM address {vmm_addr:#x} is not in guest memory"))?;
+        memory
+            .for_each_piece::<()>(guest.0, len, |_, _, _| Ok(()))
+            .map_err(|_| {
+                format!(
+                    "{what} at guest address {:#x} ({len} bytes) is not inside guest memory",
+                    guest.0
+                )
+            })?;
+    }
+    Ok(())
+}
+
 /// The area of a split ring of `size` entries that its used ring overlaps, if any.
 ///
 /// The device writes the used ring, so an overlap makes it change what it reads next: a used
@@ -471,6 +530,11 @@ fn queue_index(index: u32) -> VhostResult<u16> {
 
 impl VhostUserBackendReqHandlerMut for BlkBackend {
     fn set_owner(&mut self) -> VhostResult<()> {
+        if self.owned {
+            let e = invalid("SET_OWNER: this connection already has an owner");
+            return Err(self.refuse_with_status(e));
+        }
+        self.owned = true;
         Ok(())
     }
 
@@ -543,8 +607,21 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         files: Vec<File>,
         _postcopy_listening: Option<bool>,
     ) -> VhostResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        if ctx.len() > SET_MEM_TABLE_MAX_REGIONS {
+            let e = invalid(&format!(
+                "SET_MEM_TABLE with {} regions: at most {SET_MEM_TABLE_MAX_REGIONS} (more go \
+                 with ADD_MEM_REG)",
+                ctx.len()
+            ));
+            return Err(self.refuse_with_status(e));
+        }
         let regions = ctx.iter().map(region_descriptor).zip(files).collect();
-        let table = MemoryTable::new(regions).map_err(handler_error)?;
+        // Refused with the reason and nothing installed: the previous table stays, so the
+        // session can go on when the VMM asked to be told (REPLY_ACK).
+        let table = match MemoryTable::new(regions) {
+            Ok(table) => table,
+            Err(e) => return Err(self.refuse_with_status(handler_error(e))),
+        };
         info!("guest memory: {table:?}");
         self.install_memory(table)?;
         Ok(None)
@@ -573,6 +650,11 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         available: u64,
         _log: u64,
     ) -> VhostResult<()> {
+        let size = self.vring(index)?.size;
+        if let Err(what) = ring_areas_in_memory(&self.memory, size, descriptor, available, used) {
+            let e = invalid(&format!("SET_VRING_ADDR of queue {index}: {what}"));
+            return Err(self.refuse_with_status(e));
+        }
         let vring = self.vring(index)?;
         vring.desc_user_addr = descriptor;
         vring.used_user_addr = used;

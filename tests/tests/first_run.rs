@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use blkplane_tests::daemon::{kill, processes_with_arg_prefix};
+use blkplane_tests::daemon::{alive, cmdline, kill};
 use blkplane_tests::{binaries, pattern, Client, TempDir};
 
 /// How long blkplaned may take to print its banner or to exit.
@@ -96,10 +96,21 @@ impl Drop for FirstRun {
             let _ = child.kill();
             let _ = child.wait();
         }
-        for pid in processes_with_arg_prefix(self.dir.to_str().unwrap()) {
+        // Frontends and their spawners name the directory inside `--socket=…` and the like.
+        let dir = self.dir.to_str().unwrap();
+        for pid in processes_naming(dir) {
             kill(pid, libc::SIGKILL);
         }
     }
+}
+
+/// Live processes with an argument that contains `text`.
+fn processes_naming(text: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| alive(pid) && cmdline(pid).iter().any(|a| a.contains(text)))
+        .collect()
 }
 
 /// The options of the README's QEMU example (its "Attach QEMU" block) that a banner must
@@ -220,4 +231,10 @@ fn the_readme_first_command_serves_disk0_and_prints_how_to_attach_it() {
     );
     let mut vmm = Client::connect(&socket).expect("libblkio after the second start");
     assert_eq!(vmm.queue(0).read_at(3 << 20, data.len()).unwrap(), data);
+    drop(vmm);
+    let path = dir.path().to_str().unwrap().to_string();
+    drop(daemon);
+    let left =
+        blkplane_tests::wait_for(TIMEOUT, || processes_naming(&path).is_empty().then_some(()));
+    assert!(left.is_some(), "processes of {path} outlived the test");
 }
