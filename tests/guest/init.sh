@@ -15,7 +15,9 @@
 #                                        migrate-blocked: an attempt to live-migrate the VM
 #                                        while the disk has a migration blocker, which must
 #                                        fail; migrate: a live migration to a second QEMU,
-#                                        after which the host writes the "migrated" marker)
+#                                        after which the host writes the "migrated" marker;
+#                                        hotplug: attach a second disk (bp.hp_serial) to the
+#                                        running VM; unplug: detach it again)
 #   BLKPLANE-REBOOT                      boot 1 passed and reboots (reboot -f, same QEMU)
 #   BLKPLANE-DONE failed=<n> boot=<n>    nothing more follows; the guest powers off
 #
@@ -26,6 +28,9 @@
 # bp.mode=soak (tests/tests/soak.rs) runs fio write+verify rounds on two read-write disks
 # (bp.serial and bp.serial2) while the host injects faults, until the host writes the stop
 # marker (see soak_run).
+# bp.mode=libvirt (tests/tests/libvirt.rs) checks the read-write disk of a libvirt domain, a disk
+# the host hot-plugs and unplugs (bp.hp_serial, bp.hp_size), and a kill -9 of the first disk's
+# frontend (see libvirt_run).
 #
 # Layout of the read-write disk (MiB):
 #   [0, 96)     ext4 (mkfs.ext4 with a 96M file-system size on the whole disk)
@@ -123,9 +128,18 @@ EXP_RO_SIZE=$(param bp.ro_size)
 EXP_RO_SERIAL=$(param bp.ro_serial)
 MODE=$(param bp.mode) || MODE=checks
 EXP_RO_SHA=$(param bp.ro_sha256)
+NCPUS=$(grep -c ^processor /proc/cpuinfo)
+
+# verify.fio pins its two jobs one per vCPU (cpus_allowed=0-1), which fio refuses outright on a
+# guest with one vCPU (the libvirt test's); there both jobs share the one.
+JOBFILE=/etc/blkplane/verify.fio
+if [ "$NCPUS" -lt 2 ]; then
+    sed '/^cpus_allowed/d' /etc/blkplane/verify.fio >/tmp/verify.fio
+    JOBFILE=/tmp/verify.fio
+fi
 
 emit "BLKPLANE-INFO versions $(cat /etc/blkplane/versions)"
-emit "BLKPLANE-INFO guest cpus=$(grep -c ^processor /proc/cpuinfo) mem=$(grep MemTotal /proc/meminfo | tr -s ' ' | cut -d' ' -f2)kB"
+emit "BLKPLANE-INFO guest cpus=$NCPUS mem=$(grep MemTotal /proc/meminfo | tr -s ' ' | cut -d' ' -f2)kB"
 
 # ---- helpers ---------------------------------------------------------------------------------
 
@@ -158,7 +172,7 @@ run_fio() {
     t0=$(date +%s)
     echo "---- fio $section $* ----"
     BP_DEV=/dev/$RW "$FIO" --section="$section" "$@" --output=/tmp/fio-"$fname".log \
-        /etc/blkplane/verify.fio
+        "$JOBFILE"
     rc=$?
     cat /tmp/fio-"$fname".log
     bw=$(grep -E '^ *(READ|WRITE): ' /tmp/fio-"$fname".log \
@@ -329,7 +343,7 @@ crash_phase() {
     t0=$(date +%s)
     echo "---- fio crash ($action) ----"
     BP_DEV=/dev/$RW "$FIO" --section=crash --output=/tmp/fio-"$action".log \
-        /etc/blkplane/verify.fio &
+        "$JOBFILE" &
     fio_pid=$!
     wait_writes_flow $fio_pid "$w0"
     emit "BLKPLANE-HOST $action"
@@ -530,7 +544,7 @@ migrate_phase() {
         rounds=$((rounds + 1))
         # cache.bin's ext4 is mounted on the disk's first 96 MiB; fio writes past it.
         BP_DEV=/dev/$RW "$FIO" --section=crash --allow_mounted_write=1 \
-            --output=/tmp/fio-migrate.log /etc/blkplane/verify.fio &
+            --output=/tmp/fio-migrate.log "$JOBFILE" &
         fio_pid=$!
         if [ $asked = 0 ]; then
             wait_writes_flow $fio_pid "$w0"
@@ -592,7 +606,7 @@ migration_run() {
 
 # fio section $1 on /dev/$2 in the background, into /tmp/soak-$2.log; sets SOAK_PID.
 soak_fio() {
-    BP_DEV=/dev/$2 "$FIO" --section="$1" --output=/tmp/soak-"$2".log /etc/blkplane/verify.fio &
+    BP_DEV=/dev/$2 "$FIO" --section="$1" --output=/tmp/soak-"$2".log "$JOBFILE" &
     SOAK_PID=$!
 }
 
@@ -668,10 +682,80 @@ soak_run() {
     finish
 }
 
+# ---- libvirt (bp.mode=libvirt) -----------------------------------------------------------------
+
+# wait_serial SERIAL TENTHS: waits (at most TENTHS tenths of a second) for a disk with SERIAL
+# and its device node; its name goes to HP.
+wait_serial() {
+    i=0
+    while [ $i -lt "$2" ]; do
+        for d in /sys/block/vd*; do
+            if [ "$(cat "$d/serial" 2>/dev/null)" = "$1" ] && [ -b "/dev/${d##*/}" ]; then
+                HP=${d##*/}
+                return 0
+            fi
+        done
+        sleep 0.1
+        i=$((i + 1))
+    done
+    return 1
+}
+
+# The host attaches a second disk (virsh attach-device) when asked; it must appear with its
+# serial and capacity and pass fio write+verify; then the host detaches it (virsh
+# detach-device) and the kernel must let it go, all without an I/O error on any disk.
+hotplug_phase() {
+    hp_serial=$(param bp.hp_serial)
+    hp_size=$(param bp.hp_size)
+    e0=$(io_errors)
+    t0=$(date +%s)
+    before=$(ls /sys/block | tr '\n' ' ')
+    emit "BLKPLANE-HOST hotplug"
+    if ! wait_serial "$hp_serial" 1800; then
+        fail hotplug "no disk with serial $hp_serial within 180s of the request; before: $before now: $(ls /sys/block | tr '\n' ' ')"
+        return
+    fi
+    size=$(($(cat "/sys/block/$HP/size") * 512))
+    [ "$size" = "$hp_size" ]
+    verdict $? hotplug "$HP (serial $hp_serial) appeared $(($(date +%s) - t0))s after the request, size=$size want $hp_size"
+    t0=$(date +%s)
+    echo "---- fio hotplug ----"
+    BP_DEV=/dev/$HP "$FIO" --section=crash --output=/tmp/fio-hotplug.log "$JOBFILE"
+    rc=$?
+    cat /tmp/fio-hotplug.log
+    bw=$(grep -E '^ *(READ|WRITE): ' /tmp/fio-hotplug.log \
+        | sed -E 's/^ *(READ|WRITE): bw=([^ ]+) .* io=([^ ]+) .*/\1 \3 at \2/' | tr '\n' ';' \
+        | sed 's/;$//; s/;/, /g')
+    [ "$rc" = 0 ] && grep -q '^ *WRITE: ' /tmp/fio-hotplug.log && grep -q '^ *READ: ' /tmp/fio-hotplug.log
+    verdict $? hotplug-fio "fio write+verify on $HP: exit $rc in $(($(date +%s) - t0))s, $bw"
+    t0=$(date +%s)
+    emit "BLKPLANE-HOST unplug"
+    i=0
+    while [ -e "/sys/block/$HP" ] && [ $i -lt 1800 ]; do
+        sleep 0.1
+        i=$((i + 1))
+    done
+    e1=$(io_errors)
+    [ ! -e "/sys/block/$HP" ] && [ "$e1" = "$e0" ]
+    verdict $? hotplug-detach "$HP present=$([ -e "/sys/block/$HP" ] && echo yes || echo no) $(($(date +%s) - t0))s after the request; kernel I/O errors $e0 -> $e1 $(dmesg | grep -E 'I/O error' | tail -n1)"
+}
+
+# fio write+verify on the domain's disk, the hot-plugged disk, then fio write+verify while the
+# host kills the disk's frontend (blkplaned restarts it, QEMU reconnects as libvirt's
+# <reconnect> tells it).
+libvirt_run() {
+    if run_fio rand4k rand4k; then ok fio-rand4k "write+verify crc32c, 2 jobs iodepth 16: $FIO_DETAIL"
+    else fail fio-rand4k "fio exit $rc: $FIO_DETAIL $(grep -iE 'verify|error|bad' /tmp/fio-rand4k.log | head -n3)"; fi
+    hotplug_phase
+    crash_phase crash-frontend
+    finish
+}
+
 # ---- the run ----------------------------------------------------------------------------------
 
 [ "$MODE" = migrate ] && migration_run
 [ "$MODE" = soak ] && soak_run
+[ "$MODE" = libvirt ] && libvirt_run
 
 if [ "$BOOT" = 1 ]; then
     fio_checks
