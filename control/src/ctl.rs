@@ -522,6 +522,11 @@ pub fn stats_json(disks: &[DiskStatistics]) -> Value {
                     "frontend_pid": d.frontend_pid,
                     "total": d.total.as_ref().map(queue_stats_json).unwrap_or(Value::Null),
                     "queues": d.queues.iter().map(queue_stats_json).collect::<Vec<_>>(),
+                    "iothreads": d.iothreads.iter().map(|t| json!({
+                        "index": t.index,
+                        "inline_transfers": t.inline_transfers,
+                        "queued_transfers": t.queued_transfers,
+                    })).collect::<Vec<_>>(),
                 })
             })
             .collect(),
@@ -1329,7 +1334,15 @@ mod tests {
                 },
             ],
             frontend_pid: 42,
+            iothreads: vec![blkplane_proto::v1::IothreadStats {
+                index: 0,
+                inline_transfers: 5,
+                queued_transfers: 7,
+            }],
         };
+        let j = stats_json(std::slice::from_ref(&s));
+        assert_eq!(j[0]["iothreads"][0]["inline_transfers"], 5);
+        assert_eq!(j[0]["iothreads"][0]["queued_transfers"], 7);
         let t = stats_table(std::slice::from_ref(&s), None);
         assert!(t.contains("  q1"), "{t}");
         assert!(

@@ -789,6 +789,7 @@ impl Daemon {
                     total: Some(sum_queues(&stats.queues)),
                     queues: stats.queues,
                     frontend_pid: pid,
+                    iothreads: stats.iothreads,
                 }),
                 Err(source) if !id.is_empty() => {
                     return Err(DaemonError::Admin {

@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use blkplane_proto::v1::{
     frontend_request, frontend_response, DiskStats, Drained, FrontendRequest, FrontendResponse,
-    FrontendStatus, LatencyHistogram, MigrationBlockersSet, QueueStats, QueueStatus, ResizeDone,
-    Resumed, SetThrottle, ThrottleSet,
+    FrontendStatus, IothreadStats, LatencyHistogram, MigrationBlockersSet, QueueStats, QueueStatus,
+    ResizeDone, Resumed, SetThrottle, ThrottleSet,
 };
 use log::{info, warn};
 use prost::Message;
@@ -296,6 +296,17 @@ pub fn disk_stats(status: &DeviceStatus) -> DiskStats {
                     upper_bounds_us: (0..q.latency.len()).map(bucket_upper_bound_us).collect(),
                     counts: q.latency.iter().map(get).collect(),
                 }),
+            })
+            .collect(),
+        iothreads: (0u32..)
+            .zip(&status.iothreads)
+            .map(|(index, t)| {
+                let counters = t.ring_counters.get();
+                IothreadStats {
+                    index,
+                    inline_transfers: counters.map_or(0, |c| c.inline_transfers()),
+                    queued_transfers: counters.map_or(0, |c| c.queued_transfers()),
+                }
             })
             .collect(),
     }

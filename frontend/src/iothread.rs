@@ -71,6 +71,11 @@ pub struct IothreadLink {
 }
 
 impl IothreadLink {
+    /// The counters the iothreads of this ring keep in it (for the statistics).
+    pub fn ring_counters(&self) -> blkplane_proto::ring::RingCounters {
+        self.ring.counters()
+    }
+
     /// Creates the ring and eventfds; the process is started by [`IothreadLink::start`].
     pub fn new(
         index: usize,

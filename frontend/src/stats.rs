@@ -148,6 +148,8 @@ pub struct IothreadStatus {
     pub restarts: AtomicU64,
     /// When it was last replaced, in ms since the Unix epoch (0: never).
     pub last_restart_unix_ms: AtomicU64,
+    /// The counters its ring carries (inline and queued transfers), once the ring exists.
+    pub ring_counters: std::sync::OnceLock<blkplane_proto::ring::RingCounters>,
 }
 
 /// Everything the admin channel reports, shared by the vhost-user thread, the workers and the

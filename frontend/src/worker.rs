@@ -342,6 +342,8 @@ impl Worker {
 
     fn publish_iothread_pid(&self) {
         if let Some(iothread) = self.status.iothreads.get(self.index) {
+            // The ring outlives its iothreads: set once, kept across replacements.
+            let _ = iothread.ring_counters.set(self.link.ring_counters());
             iothread.pid.store(
                 self.link.pid().unwrap_or(0),
                 std::sync::atomic::Ordering::Relaxed,

@@ -41,7 +41,9 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 use blkplane_proto::control::{self, ControlError, ControlReply, ControlRequest};
-use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
+use blkplane_proto::ring::{
+    Completion, Consumer, Producer, RingCounters, RingError, SharedRing, SlotTable,
+};
 use io_uring::register::Restriction;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use log::{debug, error, info, warn};
@@ -210,7 +212,13 @@ struct Core {
     /// A control message is waiting to be read.
     control_ready: bool,
     complaints: Complaints,
+    /// Inline and queued transfers, for the frontend's statistics.
+    counters: RingCounters,
 }
+
+/// The most preadv/pwritev calls one inline transfer may take (each moving some bytes) before
+/// the rest goes to io_uring: bounds the time one request holds the loop.
+const MAX_INLINE_CALLS: u32 = 16;
 
 /// Rate-limits per-request warnings so that a misbehaving frontend or failing disk cannot flood
 /// the log: the first few are logged, then only every power-of-two-th.
@@ -254,7 +262,7 @@ impl Engine {
             .try_reserve_exact((count as usize).saturating_add(RESERVED_OPS as usize))
             .map_err(|_| EngineError::Alloc(count))?;
         info!(
-            "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}",
+            "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}{}",
             uring.params().sq_entries(),
             uring.params().cq_entries(),
             if image.is_null() { "null" } else { "file" },
@@ -262,6 +270,12 @@ impl Engine {
             match image.direct() {
                 Some(_) => format!(", O_DIRECT for {}-byte aligned I/O", image.block_size()),
                 None => String::new(),
+            },
+            if image.transfers_inline() {
+                ", reads and writes inline (the file cannot be read without blocking, and \
+                 reads of it are memory-fast)"
+            } else {
+                ""
             }
         );
         Ok(Self {
@@ -282,6 +296,7 @@ impl Engine {
                 in_flight: 0,
                 control_ready: false,
                 complaints: Complaints::default(),
+                counters: ring.counters(),
             },
         })
     }
@@ -466,7 +481,13 @@ impl Core {
     /// Carries out what a slot's state machine decided.
     fn apply(&mut self, slot: u32, step: Step) -> Result<(), EngineError> {
         match step {
+            Step::Issue(Stage::Transfer) if self.image.transfers_inline() => {
+                self.transfer_inline(slot)
+            }
             Step::Issue(stage) => {
+                if stage == Stage::Transfer {
+                    self.counters.count_queued();
+                }
                 self.pending.push_back(Token::Slot { slot, stage });
                 Ok(())
             }
@@ -486,6 +507,64 @@ impl Core {
                 self.push_completion(slot, VIRTIO_BLK_S_IOERR)
             }
         }
+    }
+
+    /// Runs a slot's transfer as plain preadv/pwritev calls on this thread (an image whose
+    /// reads io_uring would hand to an io-wq worker: see [`Image::transfers_inline`]), feeding
+    /// each result to the slot's state machine as a CQE would; what is still left after
+    /// [`MAX_INLINE_CALLS`] calls goes to io_uring.
+    fn transfer_inline(&mut self, slot: u32) -> Result<(), EngineError> {
+        let block_size = self.image.direct().map(|_| self.image.block_size());
+        for _ in 0..MAX_INLINE_CALLS {
+            let (Some(buffered), Some(state)) =
+                (self.image.buffered(), self.states.get_mut(slot as usize))
+            else {
+                return Err(EngineError::BadSlot {
+                    slot,
+                    count: self.slots.count(),
+                });
+            };
+            let transfer = state.next_transfer(block_size);
+            let fd = match (transfer.direct, self.image.direct()) {
+                (true, Some(direct)) => direct.as_raw_fd(),
+                _ => buffered.as_raw_fd(),
+            };
+            let count = libc::c_int::try_from(transfer.count).unwrap_or(libc::c_int::MAX);
+            let Ok(offset) = libc::off_t::try_from(transfer.offset) else {
+                let step = state.on_transfer(-libc::EINVAL);
+                return self.apply(slot, step);
+            };
+            // SAFETY: the iovecs live in the slot's own buffer and point into guest memory
+            // mappings that stay mapped while the request is in flight (exactly what an SQE of
+            // the same transfer would hand the kernel); the call returns before either changes.
+            let rc = unsafe {
+                if transfer.write {
+                    libc::pwritev(fd, transfer.iovecs, count, offset)
+                } else {
+                    libc::preadv(fd, transfer.iovecs, count, offset)
+                }
+            };
+            let result = match i32::try_from(rc) {
+                Ok(n) if n >= 0 => n,
+                _ if rc < 0 => io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO)
+                    .saturating_neg(),
+                // More than i32::MAX bytes in one call: more than a slot ever asks for.
+                _ => -libc::EIO,
+            };
+            self.counters.count_inline();
+            match state.on_transfer(result) {
+                Step::Issue(Stage::Transfer) => continue,
+                step => return self.apply(slot, step),
+            }
+        }
+        self.counters.count_queued();
+        self.pending.push_back(Token::Slot {
+            slot,
+            stage: Stage::Transfer,
+        });
+        Ok(())
     }
 
     fn push_completion(&mut self, slot: u32, status: u32) -> Result<(), EngineError> {

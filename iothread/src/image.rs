@@ -6,10 +6,18 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::time::{Duration, Instant};
 
 /// `BLKGETSIZE64`, `_IOR(0x12, 114, size_t)` in the asm-generic encoding used by x86_64 and
 /// aarch64 (the architectures the ring layout is defined for); libc does not export it.
 const BLKGETSIZE64: libc::c_ulong = (2 << 30) | (8 << 16) | (0x12 << 8) | 114;
+
+/// The slowest a probing read may be for an image to be served inline (see
+/// [`Image::transfers_inline`]): a copy from memory takes a few microseconds, a read from a
+/// device tens to thousands.
+const INLINE_PROBE_MAX: Duration = Duration::from_micros(20);
+/// How many probing reads are timed; the median decides.
+const INLINE_PROBES: usize = 9;
 
 /// The smallest and largest logical block sizes accepted along with an O_DIRECT fd.
 const BLOCK_SIZE_RANGE: std::ops::RangeInclusive<u32> = 512..=65536;
@@ -65,6 +73,8 @@ pub struct Image {
 struct Files {
     buffered: File,
     direct: Option<File>,
+    /// Transfers run as plain preadv/pwritev on the iothread (see `Image::transfers_inline`).
+    inline: bool,
 }
 
 impl Image {
@@ -123,11 +133,27 @@ impl Image {
                 return Err(ImageError::BadBlockSize(logical_block_size));
             }
         }
+        let inline = probe_inline(&buffered, size);
         Ok(Self {
-            files: Some(Files { buffered, direct }),
+            files: Some(Files {
+                buffered,
+                direct,
+                inline,
+            }),
             size,
             block_size: logical_block_size,
         })
+    }
+
+    /// Whether reads and writes of this image run inline, as a plain `preadv`/`pwritev` on the
+    /// iothread, instead of through io_uring. Decided at set-up by probing the file: io_uring
+    /// first tries every read and write without blocking, and where the file cannot be asked
+    /// that (`RWF_NOWAIT` is refused with EOPNOTSUPP — tmpfs, for one) it hands each request
+    /// to an io-wq worker thread, one more sleep and wake-up per request for data that is
+    /// already in memory. Such a file is served inline when timed reads of it are
+    /// memory-fast; a file whose reads may wait for a device stays on io_uring.
+    pub fn transfers_inline(&self) -> bool {
+        self.files.as_ref().is_some_and(|files| files.inline)
     }
 
     /// Whether this is a null image (no fd: requests are completed without I/O).
@@ -177,6 +203,45 @@ impl Image {
     pub fn block_size(&self) -> u32 {
         self.block_size
     }
+}
+
+/// See [`Image::transfers_inline`]. Reads (never writes) the start of the image.
+fn probe_inline(file: &File, size: u64) -> bool {
+    let mut buf = [0u8; 4096];
+    let len = buf.len().min(usize::try_from(size).unwrap_or(usize::MAX));
+    if len == 0 {
+        return false;
+    }
+    let mut read = |flags: libc::c_int| -> io::Result<usize> {
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: len,
+        };
+        // SAFETY: one iovec describing `len` bytes of the local buffer, which outlives the
+        // call; the kernel writes at most that.
+        let rc = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, 0, flags) };
+        usize::try_from(rc).map_err(|_| io::Error::last_os_error())
+    };
+    match read(libc::RWF_NOWAIT) {
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+        // The file takes non-blocking attempts, so io_uring completes what is cached inline
+        // itself and queues only what would block.
+        _ => return false,
+    }
+    let mut times = [Duration::MAX; INLINE_PROBES];
+    for time in &mut times {
+        let start = Instant::now();
+        if read(0).is_err() {
+            return false;
+        }
+        *time = start.elapsed();
+    }
+    times.sort_unstable();
+    let median = times
+        .get(INLINE_PROBES / 2)
+        .copied()
+        .unwrap_or(Duration::MAX);
+    median <= INLINE_PROBE_MAX
 }
 
 fn block_device_size(file: &File) -> Result<u64, ImageError> {

@@ -33,7 +33,7 @@
 use std::fs::File;
 use std::io;
 use std::mem::size_of;
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::shm::{sealed_memfd, SharedMapping};
@@ -44,6 +44,9 @@ pub const RING_MAGIC: [u8; 8] = *b"BLKPRING";
 pub const RING_VERSION: u32 = 1;
 /// Bytes reserved for the header, so that the queues start on their own page.
 pub const HEADER_SIZE: u64 = 4096;
+/// Offset in the header page of the iothread's [`RingCounters`], on a cache line of their own
+/// after [`RingHeader`].
+pub const COUNTERS_OFFSET: u64 = 1024;
 /// The largest number of segments a slot may hold; bounds the memfd size.
 pub const MAX_SEGMENTS_PER_SLOT: u32 = 4096;
 /// The largest number of slots a ring may have (all queues of an iothread × queue size).
@@ -201,6 +204,68 @@ pub struct RingHeader {
     pub slot_stride: u64,
     /// Size of the whole file.
     pub total_size: u64,
+}
+
+const _: () = assert!(size_of::<RingHeader>() as u64 <= COUNTERS_OFFSET);
+const _: () = assert!(COUNTERS_OFFSET + size_of::<CounterBlock>() as u64 <= HEADER_SIZE);
+
+/// The counters at [`COUNTERS_OFFSET`]: zero in a new ring (a fresh memfd), kept across the
+/// iothreads that serve it in turn.
+#[repr(C, align(64))]
+struct CounterBlock {
+    inline_transfers: AtomicU64,
+    queued_transfers: AtomicU64,
+}
+
+/// How the iothreads of a ring executed reads and writes, for the frontend's statistics. Only
+/// the iothread adds to them (relaxed: they order nothing); the frontend reads them on the
+/// admin thread, never on the request path. From the frontend's side they are the peer's word:
+/// shown, never acted on.
+#[derive(Clone)]
+pub struct RingCounters {
+    mapping: Arc<Mapping>,
+}
+
+impl std::fmt::Debug for RingCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingCounters")
+            .field("inline_transfers", &self.inline_transfers())
+            .field("queued_transfers", &self.queued_transfers())
+            .finish()
+    }
+}
+
+impl RingCounters {
+    fn block(&self) -> &CounterBlock {
+        // SAFETY: COUNTERS_OFFSET + the block lies inside the header page (asserted above),
+        // which every ring mapping covers; the block is 64-byte aligned there and only ever
+        // accessed through atomics.
+        unsafe { &*self.mapping.at::<CounterBlock>(COUNTERS_OFFSET) }
+    }
+
+    /// Transfers (preadv/pwritev calls) run inline on the iothread, without io_uring.
+    pub fn inline_transfers(&self) -> u64 {
+        self.block().inline_transfers.load(Ordering::Relaxed)
+    }
+
+    /// Transfers submitted to io_uring.
+    pub fn queued_transfers(&self) -> u64 {
+        self.block().queued_transfers.load(Ordering::Relaxed)
+    }
+
+    /// Counts one inline transfer.
+    pub fn count_inline(&self) {
+        self.block()
+            .inline_transfers
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one transfer submitted to io_uring.
+    pub fn count_queued(&self) {
+        self.block()
+            .queued_transfers
+            .fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 #[repr(C, align(64))]
@@ -426,6 +491,13 @@ impl SharedRing {
     /// The geometry.
     pub fn layout(&self) -> &RingLayout {
         &self.layout
+    }
+
+    /// The iothread's counters (see [`RingCounters`]).
+    pub fn counters(&self) -> RingCounters {
+        RingCounters {
+            mapping: Arc::clone(&self.mapping),
+        }
     }
 
     /// Zeroes both queues' indices and flags. Only while no peer is attached (before a new

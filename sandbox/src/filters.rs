@@ -124,6 +124,9 @@ const IOTHREAD_START: &[i64] = &[
     libc::SYS_getsockopt,
     libc::SYS_io_uring_setup,
     libc::SYS_io_uring_register,
+    // The image probe: a non-blocking read (RWF_NOWAIT) shows whether io_uring could try
+    // requests inline itself.
+    libc::SYS_preadv2,
     libc::SYS_capget,
     libc::SYS_capset,
     libc::SYS_seccomp,
@@ -133,9 +136,14 @@ const IOTHREAD_START: &[i64] = &[
     libc::SYS_access,
 ];
 
-/// The iothread, after its lock-down: the ring does the I/O; memory tables arrive on the
-/// control socket (recvmsg with fds, mmap, munmap, fstat).
-const IOTHREAD: &[i64] = &[libc::SYS_io_uring_enter];
+/// The iothread, after its lock-down: the ring does the I/O, or, for an image io_uring would
+/// hand to worker threads (tmpfs), plain preadv/pwritev on its own fds; memory tables arrive
+/// on the control socket (recvmsg with fds, mmap, munmap, fstat).
+const IOTHREAD: &[i64] = &[
+    libc::SYS_io_uring_enter,
+    libc::SYS_preadv,
+    libc::SYS_pwritev,
+];
 
 fn cond(arg: u8, op: Op, value: u64) -> Result<SeccompCondition, BackendError> {
     SeccompCondition::new(arg, Len::Dword, op, value)
