@@ -72,6 +72,9 @@ pub struct DiskConfig {
     writeback: AtomicBool,
     /// The setting the device starts with, from the cache mode.
     default_writeback: bool,
+    /// The bound of the workers' adaptive polling for completions (zero: never poll); see
+    /// `crate::poll`.
+    pub poll_max: std::time::Duration,
 }
 
 impl DiskConfig {
@@ -98,6 +101,7 @@ impl DiskConfig {
             block_size,
             writeback: AtomicBool::new(cache != CacheMode::Writethrough),
             default_writeback: cache != CacheMode::Writethrough,
+            poll_max: std::time::Duration::ZERO,
         }
     }
 

@@ -23,6 +23,7 @@ pub mod inflight;
 pub mod iothread;
 pub mod lifecycle;
 pub mod memory;
+pub mod poll;
 pub mod request;
 pub mod resize;
 pub mod session;

@@ -86,6 +86,11 @@ struct Args {
     /// restarts the frontend of a drained disk this way).
     #[arg(long, requires = "admin_socket")]
     drained: bool,
+    /// Bound of the adaptive polling for completions, in microseconds: a worker with requests
+    /// in flight watches for their completions up to this long before it sleeps (the window
+    /// adapts, as QEMU's poll-max-ns; an idle disk never polls). 0 disables it.
+    #[arg(long, default_value_t = DEFAULT_POLL_MAX_US, value_parser = clap::value_parser!(u32).range(0..=MAX_POLL_MAX_US))]
+    poll_max_us: u32,
     /// Serve as this user, group and supplementary groups (numeric, `UID:GID[:GROUP,...]`;
     /// needs root). The image is opened with this user's permissions; the sockets are bound
     /// and the iothread spawner forked as root; then every process of the disk switches to
@@ -93,6 +98,12 @@ struct Args {
     #[arg(long, value_name = "UID:GID[:GROUP,...]")]
     run_as: Option<blkplane_sandbox::RunAs>,
 }
+
+/// `--poll-max-us` by default (see BENCHMARKS.md for how it was chosen).
+const DEFAULT_POLL_MAX_US: u32 = 0;
+/// The largest `--poll-max-us`: longer than any memory-speed completion, short enough that a
+/// wrong setting cannot make a worker spin for long.
+const MAX_POLL_MAX_US: i64 = 1000;
 
 /// How long a starting frontend waits for the processes of a previous one on the same socket.
 const SOCKET_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -163,7 +174,7 @@ fn run(args: Args) -> Result<(), String> {
     if image.size() < u64::from(args.block_size) {
         return Err(format!("image {} is smaller than one block", args.image));
     }
-    let disk = Arc::new(DiskConfig::new(
+    let mut disk = DiskConfig::new(
         image.size(),
         args.read_only,
         &args.serial,
@@ -171,7 +182,9 @@ fn run(args: Args) -> Result<(), String> {
         args.queue_size,
         args.block_size,
         args.cache,
-    ));
+    );
+    disk.poll_max = std::time::Duration::from_micros(u64::from(args.poll_max_us));
+    let disk = Arc::new(disk);
     let iothread_binary = match args.iothread_binary {
         Some(path) => path,
         None => std::env::current_exe()

@@ -33,6 +33,7 @@ use crate::dirty_log::DirtyLog;
 use crate::inflight::QueueInflight;
 use crate::iothread::IothreadLink;
 use crate::memory::MemoryTable;
+use crate::poll::AdaptivePoll;
 use crate::request::{self, ChainError, Rejected, RequestKind};
 use crate::stats::{DeviceStatus, QueueCounters};
 use crate::throttle::{self, DiskThrottle, Throttler};
@@ -166,7 +167,6 @@ impl WorkerHandle {
             status,
             queues: queue_ids.iter().map(|_| None).collect(),
             queue_ids,
-            disk,
             memory,
             link,
             slots: vec![SlotState::default(); slot_count],
@@ -176,6 +176,8 @@ impl WorkerHandle {
             commands: receiver,
             wake: wake.try_clone()?,
             rejections: 0,
+            poll: AdaptivePoll::new(disk.poll_max),
+            disk,
             paused: false,
             dirty_log: None,
             throttler: Throttler::new(slot_count)?,
@@ -288,6 +290,8 @@ struct Worker {
     commands: Receiver<Command>,
     wake: EventFd,
     rejections: u32,
+    /// How long to watch for completions before sleeping while requests are in flight.
+    poll: AdaptivePoll,
     /// Drained ([`Command::Pause`]): no request is popped until [`Command::Resume`]. Only
     /// this thread reads it, once per batch.
     paused: bool,
@@ -379,7 +383,12 @@ impl Worker {
     fn run(mut self) {
         let mut events = vec![EpollEvent::default(); 64];
         loop {
-            let may_sleep = self.link.completions.prepare_to_sleep();
+            // With requests in flight the next thing to happen is usually a completion: when
+            // the last waits were short, watch the completion queue (no system call) before
+            // sleeping, and so save the sleep and the iothread's wake-up write.
+            let waiting = (self.in_flight > 0 && !self.disk.poll_max.is_zero()).then(Instant::now);
+            let caught = waiting.is_some_and(|start| self.poll_completions(start));
+            let may_sleep = !caught && self.link.completions.prepare_to_sleep();
             let timeout = if may_sleep { -1 } else { 0 };
             let ready = match self.epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
@@ -391,6 +400,9 @@ impl Worker {
                 }
             };
             self.link.completions.woke_up();
+            if let Some(start) = waiting {
+                self.poll.record(start.elapsed());
+            }
             let mut iothread_died = false;
             for event in events.iter().take(ready) {
                 match event.data() {
@@ -417,6 +429,24 @@ impl Worker {
                 self.restart_iothread();
             }
             self.notify_guests();
+        }
+    }
+
+    /// Spins until a completion is published or the poll window since `start` has passed;
+    /// returns whether one was.
+    fn poll_completions(&self, start: Instant) -> bool {
+        let window = self.poll.window();
+        if window.is_zero() {
+            return false;
+        }
+        loop {
+            if self.link.completions.has_published() {
+                return true;
+            }
+            if start.elapsed() >= window {
+                return false;
+            }
+            std::hint::spin_loop();
         }
     }
 

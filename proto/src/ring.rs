@@ -658,6 +658,12 @@ impl<T: Copy> Consumer<T> {
         Ok(Some(value))
     }
 
+    /// Whether an entry is published that [`Consumer::pop`] would return (one Acquire load: a
+    /// poller's check).
+    pub fn has_published(&self) -> bool {
+        self.view.indices().producer.0.load(Ordering::Acquire) != self.head
+    }
+
     /// Hands the room of every popped entry back to the producer.
     pub fn release(&mut self) {
         self.view
