@@ -232,6 +232,7 @@ pub fn disk_json(d: &Disk) -> Value {
             "iothreads": c.iothreads,
             "cache": cache_name(c.cache),
             "iothread_cpus": c.iothread_cpus,
+            "poll_max_us": c.poll_max_us,
             "vhost_socket": c.vhost_socket,
             "incoming_for": c.incoming_for,
             "run_as": c.run_as.as_ref().map(|r| json!({
@@ -381,6 +382,14 @@ pub fn disk_detail(d: &Disk) -> String {
                 "any".into()
             } else {
                 c.iothread_cpus.clone()
+            },
+        ),
+        (
+            "poll max",
+            match c.poll_max_us {
+                None => "the frontend's default".into(),
+                Some(0) => "off".into(),
+                Some(us) => format!("{us} µs"),
             },
         ),
         (

@@ -136,6 +136,10 @@ pub struct DiskSpec {
     /// The user the disk's processes run as (AddDiskRequest `run_as`); `None`: blkplaned's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as: Option<RunAsSpec>,
+    /// The bound of the frontend's adaptive polling in µs (AddDiskRequest `poll_max_us`);
+    /// `None`: the frontend's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub poll_max_us: Option<u32>,
 }
 
 /// A disk's configured user, as stored.
@@ -183,6 +187,7 @@ impl DiskSpec {
                 gid: r.gid,
                 groups: r.groups.clone(),
             }),
+            poll_max_us: self.poll_max_us,
         }
     }
 }
@@ -429,6 +434,7 @@ mod tests {
             vhost_socket: PathBuf::from(format!("/run/{id}.sock")),
             incoming_for: None,
             run_as: None,
+            poll_max_us: Some(50),
         }
     }
 

@@ -374,6 +374,9 @@ pub fn frontend_args(
     if let Some(run_as) = user {
         opt("run-as", &run_as.to_arg());
     }
+    if let Some(us) = spec.poll_max_us {
+        opt("poll-max-us", &us.to_string());
+    }
     if spec.read_only {
         args.push("--read-only".into());
     }
@@ -1495,6 +1498,7 @@ mod tests {
             vhost_socket: "/run/d.sock".into(),
             incoming_for: None,
             run_as: None,
+            poll_max_us: None,
         }
     }
 
@@ -1522,6 +1526,16 @@ mod tests {
             ]
         );
         assert_eq!(identity_arg(&paths), "--admin-socket=/run/bp/disks/d.admin");
+        // The polling bound only when configured (0 included: it disables polling).
+        for (us, arg) in [(0, "--poll-max-us=0"), (50, "--poll-max-us=50")] {
+            let polling = DiskSpec {
+                poll_max_us: Some(us),
+                ..spec()
+            };
+            assert!(frontend_args(&polling, &paths, false, None)
+                .iter()
+                .any(|a| a == arg));
+        }
         let drained = frontend_args(&spec(), &paths, true, None);
         assert_eq!(drained.last().unwrap(), "--drained");
         // The disk's own user, else blkplaned's --disk-user.

@@ -22,6 +22,8 @@ use crate::throttle;
 pub const MAX_ID_LEN: usize = 64;
 /// Longest serial number (virtio-blk GET_ID answers 20 bytes).
 pub const MAX_SERIAL_LEN: usize = 20;
+/// The largest AddDiskRequest `poll_max_us` (the frontend's `--poll-max-us` bound).
+pub const MAX_POLL_MAX_US: u32 = 1000;
 /// Most request queues.
 pub const MAX_QUEUES: u32 = 256;
 /// Largest queue size.
@@ -712,6 +714,12 @@ pub fn check_add(
         .as_ref()
         .map(|r| check_run_as(r, ctx))
         .transpose()?;
+    if let Some(us) = req.poll_max_us.filter(|&us| us > MAX_POLL_MAX_US) {
+        return Err(invalid(
+            "poll_max_us",
+            format!("{us} µs; at most {MAX_POLL_MAX_US} µs are allowed (0 disables polling)"),
+        ));
+    }
     let identity = check_image(&req.image, block_size, &ctx.image_dirs)?;
     let vhost_socket = resolve_vhost_socket(&req.vhost_socket, &req.id, ctx)?;
 
@@ -730,6 +738,7 @@ pub fn check_add(
         vhost_socket,
         incoming_for: (!req.incoming_for.is_empty()).then(|| req.incoming_for.clone()),
         run_as,
+        poll_max_us: req.poll_max_us,
     };
     Ok((spec, identity))
 }
@@ -965,6 +974,10 @@ mod tests {
         assert_eq!(field_of(with(&|r| r.cache = 17)), "cache");
         assert_eq!(field_of(with(&|r| r.serial = "x".repeat(21))), "serial");
         assert_eq!(field_of(with(&|r| r.serial = "a\nb".into())), "serial");
+        assert_eq!(
+            field_of(with(&|r| r.poll_max_us = Some(1001))),
+            "poll_max_us"
+        );
         assert_eq!(
             field_of(with(&|r| r.iothread_cpus = "x".into())),
             "iothread_cpus"

@@ -215,6 +215,10 @@ struct AddArgs {
     /// Pin the iothreads to these CPUs, e.g. 0-1,3.
     #[arg(long, value_name = "LIST")]
     iothread_cpus: Option<String>,
+    /// Bound of the adaptive polling for completions in µs, 0 to 1000 (0: never poll)
+    /// [default: the frontend's].
+    #[arg(long, value_name = "US")]
+    poll_max_us: Option<u32>,
     /// The vhost-user socket [default: RUNTIME_DIR/disks/ID.sock].
     #[arg(long, value_name = "PATH")]
     vhost_socket: Option<PathBuf>,
@@ -416,6 +420,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                     gid: r.gid,
                     groups: r.groups,
                 }),
+                poll_max_us: a.poll_max_us,
             };
             let disk = client.add_disk(req).await?.into_inner();
             match format {
