@@ -2,18 +2,6 @@
 //! disk. It validates the virtqueues itself and hands batches of requests to its
 //! `blkplane-iothread` processes over shared-memory rings.
 
-// Tests may panic on what they set up themselves.
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::indexing_slicing,
-        clippy::arithmetic_side_effects,
-        clippy::cast_possible_truncation
-    )
-)]
-
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};

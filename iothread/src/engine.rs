@@ -71,6 +71,14 @@ pub enum EngineError {
     /// io_uring could not be set up.
     #[error("setting up io_uring: {0}")]
     Uring(io::Error),
+    /// io_uring_setup itself was refused (ENOSYS or EPERM): io_uring is forbidden here.
+    #[error(
+        "setting up io_uring: {0}: io_uring_setup is refused — by a seccomp profile that \
+         forbids io_uring (the container runtimes' default profiles do; \
+         helm/blkplane/seccomp/blkplane.json allows it), by kernel.io_uring_disabled, or by a \
+         kernel without io_uring"
+    )]
+    UringRefused(io::Error),
     /// The kernel's io_uring lacks an operation the engine needs.
     #[error("the kernel's io_uring does not support {0}")]
     Unsupported(&'static str),
@@ -116,7 +124,7 @@ impl EngineError {
     /// The errno to answer a `Setup` with when the engine cannot be created.
     pub fn errno(&self) -> i32 {
         match self {
-            Self::Uring(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            Self::Uring(e) | Self::UringRefused(e) => e.raw_os_error().unwrap_or(libc::EIO),
             Self::Unsupported(_) => libc::ENOSYS,
             Self::Alloc(_) => libc::ENOMEM,
             _ => libc::EIO,
@@ -786,7 +794,10 @@ fn build_uring(slot_count: u32) -> Result<IoUring, EngineError> {
                 .setup_r_disabled()
                 .build(sq_entries)
         })
-        .map_err(EngineError::Uring)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOSYS | libc::EPERM) => EngineError::UringRefused(e),
+            _ => EngineError::Uring(e),
+        })
 }
 
 /// The only operations the engine submits; the ring is restricted to them.

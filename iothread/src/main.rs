@@ -9,18 +9,6 @@
 //! or died); 1 on any error (bad setup, control protocol violation, broken ring); 2 for a bad
 //! command line.
 
-// Tests may panic on what they set up themselves.
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::indexing_slicing,
-        clippy::arithmetic_side_effects,
-        clippy::cast_possible_truncation
-    )
-)]
-
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -171,6 +159,9 @@ fn run(args: &Args) -> Result<Exit, Error> {
         // The frontend went away before sending anything: nothing to serve.
         Ok(None) => return Ok(Exit::PeerClosed),
         Err(e) => {
+            // Logged before the refusal is sent: the frontend may exit on it at once, and the
+            // reason must already be in the log it leaves.
+            error!("setup: {e}");
             // Best effort: the frontend may be gone already, and we exit either way.
             let _ = ControlReply(e.errno()).send(&control);
             return Err(e.into());

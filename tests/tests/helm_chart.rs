@@ -11,7 +11,10 @@
 //! - What the manifests promise: no RBAC and no token, no host namespace, no privilege and no
 //!   capability for blkplaned, CHOWN alone for the init container (which never touches the
 //!   image directories), every hostPath a directory mounted at its own path, the probes'
-//!   command, the metrics port.
+//!   command, the metrics port, and blkplaned's seccomp profile: the chart's own Localhost
+//!   profile by default (helm/blkplane/seccomp/blkplane.json, which tests/tests/container.rs
+//!   runs the image under), Unconfined as the fallback value, RuntimeDefault for the init
+//!   container.
 //! - The rendered DaemonSet's blkplaned run for real: the harness's `blkplaned` started with
 //!   exactly the rendered arguments and environment, only the hostPath directories rewritten to
 //!   temporary ones (made as the kubelet makes them, then handed over by running the init
@@ -361,6 +364,12 @@ fn lint_passes_with_default_and_custom_values() {
         "daemon.extraArgs[0]=--state-dir",
         "metrics.port=0",
         "metrcs.port=9000",
+        "seccompProfile.type=Localhos",
+        "seccompProfile.localhostProfile=/var/lib/kubelet/seccomp/blkplane.json",
+        "seccompProfile.localhostProfile=../blkplane.json",
+        "seccompProfile.localhostProfile=",
+        // One place for the profile: not also in securityContext.
+        "securityContext.seccompProfile.type=Unconfined",
     ] {
         let out = output_within(
             Command::new(&t.helm)
@@ -393,6 +402,12 @@ fn manifests_validate_against_kubernetes_schemas() {
             "disk-users",
             None,
             &["diskUsers.enabled=true".to_string()],
+            vec!["DaemonSet", "ServiceAccount"],
+        ),
+        (
+            "unconfined",
+            None,
+            &["seccompProfile.type=Unconfined".to_string()],
             vec!["DaemonSet", "ServiceAccount"],
         ),
     ] {
@@ -493,6 +508,8 @@ struct Expect {
     socket_dirs: &'static [&'static str],
     image_dirs: &'static [&'static str],
     metrics_listen: &'static str,
+    /// blkplaned's seccompProfile: type and localhostProfile.
+    seccomp: (&'static str, Option<&'static str>),
 }
 
 const DEFAULTS: Expect = Expect {
@@ -501,6 +518,7 @@ const DEFAULTS: Expect = Expect {
     socket_dirs: &["/run/blkplane-vhost"],
     image_dirs: &["/var/lib/blkplane-images"],
     metrics_listen: "0.0.0.0:9474",
+    seccomp: ("Localhost", Some("profiles/blkplane.json")),
 };
 
 const CUSTOM: Expect = Expect {
@@ -509,6 +527,7 @@ const CUSTOM: Expect = Expect {
     socket_dirs: &["/srv/vm-sockets/a", "/srv/vm-sockets/b"],
     image_dirs: &["/srv/images", "/mnt/nfs/images"],
     metrics_listen: "0.0.0.0:9480",
+    seccomp: ("Localhost", Some("storage/blkplane-0.1.0.json")),
 };
 
 #[test]
@@ -551,10 +570,6 @@ fn manifests_grant_only_what_blkplaned_needs() {
         "--poll-interval-ms".to_string(),
         "250".to_string()
     ]));
-    assert_eq!(
-        at_str(c, &["securityContext", "seccompProfile", "type"]),
-        "Localhost"
-    );
     assert_eq!(
         one(&docs, "ServiceAccount")
             .get("metadata")
@@ -605,6 +620,43 @@ fn manifests_grant_only_what_blkplaned_needs() {
     let disk_user: Vec<&[String]> = args.windows(2).filter(|w| w[0] == "--disk-user").collect();
     assert_eq!(disk_user.len(), 1, "{args:?}");
     assert_eq!(disk_user[0][1], "107:107:36,1000660000");
+    assert_eq!(
+        at(sc, &["seccompProfile"]),
+        Some(&Json::parse(
+            r#"{"type": "Localhost", "localhostProfile": "profiles/blkplane.json"}"#
+        )),
+        "diskUsers keeps the profile"
+    );
+
+    // The fallback: Unconfined, without the localhostProfile the API refuses with it (also
+    // when diskUsers sets the root fields); the init container keeps RuntimeDefault.
+    for (name, set) in [
+        ("unconfined", vec!["seccompProfile.type=Unconfined"]),
+        (
+            "unconfined-disk-users",
+            vec!["seccompProfile.type=Unconfined", "diskUsers.enabled=true"],
+        ),
+    ] {
+        let scratch = dir.join(name);
+        std::fs::create_dir(&scratch).unwrap();
+        let set: Vec<String> = set.into_iter().map(String::from).collect();
+        let docs = render(None, &set, &scratch);
+        let pod = one(&docs, "DaemonSet")
+            .get("spec")
+            .get("template")
+            .get("spec");
+        let c = container(pod.get("containers"), "blkplaned");
+        assert_eq!(
+            at(c, &["securityContext", "seccompProfile"]),
+            Some(&Json::parse(r#"{"type": "Unconfined"}"#)),
+            "{name}"
+        );
+        let init = container(pod.get("initContainers"), "chown-dirs");
+        assert_eq!(
+            at_str(init, &["securityContext", "seccompProfile", "type"]),
+            "RuntimeDefault"
+        );
+    }
 }
 
 #[track_caller]
@@ -650,6 +702,23 @@ fn check_grants(name: &str, docs: &[Json], e: &Expect) {
     );
     assert_ne!(at_bool(sc, &["runAsNonRoot"]), Some(false));
     assert!(at(sc, &["runAsUser"]).is_none());
+    // The chart's own profile (RuntimeDefault forbids io_uring on current runtimes).
+    let (seccomp_type, localhost_profile) = e.seccomp;
+    assert_eq!(
+        at_str(sc, &["seccompProfile", "type"]),
+        seccomp_type,
+        "{name}"
+    );
+    assert_eq!(
+        at(sc, &["seccompProfile", "localhostProfile"]).and_then(Json::as_str),
+        localhost_profile,
+        "{name}"
+    );
+    if let Some(profile) = localhost_profile {
+        // Installed on the nodes under any name; the chart ships it as seccomp/blkplane.json.
+        assert!(profile.ends_with(".json"), "{name}: {profile}");
+        assert!(chart().join("seccomp/blkplane.json").is_file());
+    }
 
     // Every hostPath is a directory, mounted at its own path (paths mean the same on the node,
     // in the pod and in launcher pods).
@@ -731,6 +800,11 @@ fn check_grants(name: &str, docs: &[Json], e: &Expect) {
     let isc = init.get("securityContext");
     assert_eq!(at_strs(isc, &["capabilities", "drop"]), ["ALL"]);
     assert_eq!(at_strs(isc, &["capabilities", "add"]), ["CHOWN"]);
+    assert_eq!(
+        at_str(isc, &["seccompProfile", "type"]),
+        "RuntimeDefault",
+        "{name}: chown needs nothing beyond the runtime's default"
+    );
     assert_eq!(at_bool(isc, &["allowPrivilegeEscalation"]), Some(false));
     assert_eq!(at_bool(isc, &["privileged"]), Some(false));
     let cmd = at_strs(init, &["command"]);

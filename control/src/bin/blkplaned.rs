@@ -280,6 +280,8 @@ fn ctl_command() -> String {
         .map(|p| p.with_file_name("blkplanectl"))
         .unwrap_or_else(|_| PathBuf::from("blkplanectl"));
     match std::env::current_dir() {
+        // Relative to / is no shorter, and would read as relative to wherever it is pasted.
+        Ok(cwd) if cwd == Path::new("/") => exe.display().to_string(),
         Ok(cwd) => match exe.strip_prefix(&cwd) {
             Ok(rel) => rel.display().to_string(),
             Err(_) => exe.display().to_string(),

@@ -84,6 +84,17 @@ exec:
     - health
 {{- end }}
 
+{{/*
+The blkplaned container's seccompProfile: the values' type, with localhostProfile only for
+Localhost (the API refuses it with any other type).
+*/}}
+{{- define "blkplane.seccompProfile" -}}
+type: {{ .Values.seccompProfile.type }}
+{{- if eq .Values.seccompProfile.type "Localhost" }}
+localhostProfile: {{ required "seccompProfile.localhostProfile is needed with type Localhost" .Values.seccompProfile.localhostProfile | quote }}
+{{- end }}
+{{- end }}
+
 {{/* Whether the metrics Service is created ("true" or empty). */}}
 {{- define "blkplane.metricsService" -}}
 {{- if and .Values.metrics.enabled (or .Values.metrics.service.enabled .Values.metrics.serviceMonitor.enabled) }}true{{ end }}
