@@ -540,6 +540,9 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
 
     fn reset_owner(&mut self) -> VhostResult<()> {
         self.reset_by_vmm();
+        // Deprecated, and read by some front-ends as ending the session: a SET_OWNER after it
+        // starts one again rather than being refused as a second.
+        self.owned = false;
         Ok(())
     }
 
