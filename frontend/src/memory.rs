@@ -141,6 +141,16 @@ impl MemoryTable {
         if regions.len() > MAX_MEMORY_REGIONS {
             return Err(MemoryError::TooManyRegions);
         }
+        regions.sort_by_key(|r| r.desc.guest_base);
+        for pair in regions.windows(2) {
+            if let [a, b] = pair {
+                // Sizes were checked not to overflow in map_region.
+                let a_end = a.desc.guest_base.checked_add(a.desc.size);
+                if a_end.is_none_or(|end| end > b.desc.guest_base) {
+                    return Err(MemoryError::Overlap(b.desc.guest_base));
+                }
+            }
+        }
         // The VMM's addresses of two regions must not overlap either: SET_VRING_ADDR names
         // rings by VMM address, which would then translate to two guest addresses.
         regions.sort_by_key(|r| r.desc.user_addr);
@@ -153,15 +163,6 @@ impl MemoryTable {
             }
         }
         regions.sort_by_key(|r| r.desc.guest_base);
-        for pair in regions.windows(2) {
-            if let [a, b] = pair {
-                // Sizes were checked not to overflow in map_region.
-                let a_end = a.desc.guest_base.checked_add(a.desc.size);
-                if a_end.is_none_or(|end| end > b.desc.guest_base) {
-                    return Err(MemoryError::Overlap(b.desc.guest_base));
-                }
-            }
-        }
         let memory = GuestMemoryMmap::from_arc_regions(
             regions.iter().map(|r| Arc::clone(&r.mapping)).collect(),
         )
@@ -374,6 +375,18 @@ pub(crate) mod tests {
                 (desc(4096, 8192, 0), f.try_clone().unwrap()),
             ]),
             Err(MemoryError::Overlap(4096))
+        ));
+        // Apart in guest addresses, overlapping in the VMM's.
+        let apart = |guest_base, user_addr| RegionDescriptor {
+            user_addr,
+            ..desc(guest_base, 8192, 0)
+        };
+        assert!(matches!(
+            MemoryTable::new(vec![
+                (apart(0, 1 << 40), f.try_clone().unwrap()),
+                (apart(1 << 20, (1 << 40) + 4096), f.try_clone().unwrap()),
+            ]),
+            Err(MemoryError::VmmOverlap(_))
         ));
     }
 
