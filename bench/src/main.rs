@@ -1,6 +1,6 @@
-//! `blkplane-bench`: runs the same fio-style workloads against blkplane and
-//! qemu-storage-daemon (and against the image with plain io_uring, the ceiling), alternating
-//! them, and writes BENCHMARKS.md and docs/bench.svg.
+//! `blkplane-bench`: runs the same fio-style workloads against blkplane, qemu-storage-daemon
+//! and cloud-hypervisor's vhost_user_block (and against the image with plain io_uring, the
+//! ceiling), alternating them, and writes BENCHMARKS.md and docs/bench.svg.
 //!
 //! Every run starts a fresh back-end, connects libblkio's `virtio-blk-vhost-user` driver (or,
 //! for the ceiling, its `io_uring` driver on the image file), keeps the queues full for a ramp,
@@ -22,6 +22,7 @@ use std::ffi::CString;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -41,12 +42,14 @@ use crate::workload::{select, ImageKind, Target, Workload, WORKLOADS};
 /// running on the machine; the report says so.
 const BUSY_LOAD: f64 = 0.5;
 
-/// Benchmark blkplane against qemu-storage-daemon and the io_uring ceiling.
+/// Benchmark blkplane against qemu-storage-daemon, cloud-hypervisor's vhost_user_block and the
+/// io_uring ceiling.
 ///
 /// Runs every selected workload on every selected target and image, REPS times, alternating
 /// the targets; prints the results and writes BENCHMARKS.md and docs/bench.svg under
 /// --out-dir. Needs blkplane-frontend and blkplane-iothread (release build; found next to this
-/// binary or in --bin-dir) and qemu-storage-daemon.
+/// binary or in --bin-dir), qemu-storage-daemon, and for the ch target a vhost_user_block
+/// binary (--ch-binary).
 #[derive(Debug, Parser)]
 #[command(version, about, long_about)]
 struct Args {
@@ -59,22 +62,28 @@ struct Args {
     /// Repetitions of every (workload, target, image); the report gives median and min–max.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     reps: u32,
-    /// Comma-separated workloads, or "all": randread-4k-qd1, randread-4k-qd32,
-    /// randread-4k-qd32-2q, randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
+    /// Comma-separated workloads, or "all": randread-4k-qd1, randwrite-4k-qd1, randread-4k-qd4,
+    /// randread-4k-qd32, randread-4k-qd32-2q, randwrite-4k-qd32, read-128k-qd8, write-128k-qd8.
     #[arg(long, default_value = "all")]
     workloads: String,
-    /// Comma-separated targets, or "all": blkplane, qsd, ceiling.
+    /// Comma-separated targets, or "all": blkplane, qsd, ch (needs --ch-binary), ceiling.
     #[arg(long, default_value = "all")]
     targets: String,
-    /// Comma-separated images, or "all": shm (a raw file in --shm-dir), null.
+    /// Comma-separated images, or "all": shm (a raw file in --shm-dir), null, disk (a raw file
+    /// in --disk-dir, opened with O_DIRECT).
     #[arg(long, default_value = "all")]
     images: String,
-    /// Disk size (the shm image's and the null images'), bytes or with a K/M/G suffix.
+    /// Disk size (of the shm and disk image files and of the null images), bytes or with a
+    /// K/M/G suffix.
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     size: u64,
     /// Where the raw image is created (tmpfs, so that the disk is not what is measured).
     #[arg(long, default_value = "/dev/shm")]
     shm_dir: PathBuf,
+    /// Where the disk image is created: a directory on a real device (refused if it is tmpfs
+    /// or ramfs). Every target opens it with O_DIRECT, so that the page cache is bypassed.
+    #[arg(long, default_value = "/var/tmp")]
+    disk_dir: PathBuf,
     /// O_DIRECT on the shm image for every target: auto (if the file system takes it), on, off
     /// (blkplane --cache direct or writeback, qsd cache.direct, the ceiling's direct).
     #[arg(long, value_enum, default_value_t = Direct::Auto)]
@@ -85,6 +94,10 @@ struct Args {
     /// The qemu-storage-daemon binary.
     #[arg(long, default_value = "qemu-storage-daemon")]
     qsd: PathBuf,
+    /// cloud-hypervisor's vhost_user_block binary, for the ch target (no default: build it
+    /// from cloud-hypervisor's source, e.g. with build-ch-block.sh from the shared tools).
+    #[arg(long)]
+    ch_binary: Option<PathBuf>,
     /// Pin the client to these CPUs (a taskset -c list, e.g. 0); default: not pinned.
     #[arg(long, value_parser = CpuList::parse)]
     client_cpu: Option<CpuList>,
@@ -143,11 +156,11 @@ fn workspace_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// The image path, for the signal handler to remove it.
-static IMAGE_TO_REMOVE: OnceLock<CString> = OnceLock::new();
+/// The image paths (shm, disk), for the signal handler to remove them.
+static IMAGES_TO_REMOVE: [OnceLock<CString>; 2] = [OnceLock::new(), OnceLock::new()];
 
 extern "C" fn on_signal(signal: libc::c_int) {
-    if let Some(path) = IMAGE_TO_REMOVE.get() {
+    for path in IMAGES_TO_REMOVE.iter().filter_map(OnceLock::get) {
         // SAFETY: unlink and _exit are async-signal-safe; the CString lives forever.
         unsafe { libc::unlink(path.as_ptr()) };
     }
@@ -156,15 +169,20 @@ extern "C" fn on_signal(signal: libc::c_int) {
     unsafe { libc::_exit(128 + signal) };
 }
 
-/// A raw image in tmpfs, filled with pseudo-random data (a sparse tmpfs file would be read from
-/// the shared zero page, cheaper than real data), removed on drop.
-struct ShmImage {
+/// A raw image file filled with pseudo-random data (a sparse tmpfs file would be read from
+/// the shared zero page, cheaper than real data; a sparse file on a disk would not touch the
+/// device on reads), removed on drop.
+struct ImageFile {
     path: PathBuf,
 }
 
-impl ShmImage {
-    fn create(dir: &Path, size: u64, seed: u64) -> Result<Self, BenchError> {
-        let path = dir.join(format!("blkplane-bench-{}.img", std::process::id()));
+impl ImageFile {
+    /// Creates `blkplane-bench-PID[-disk].img` in `dir`. `on_device`: the file is on a real
+    /// disk, so it is synced and dropped from the page cache afterwards (the targets open it
+    /// with O_DIRECT and must find nothing cached, nor should it crowd the cache).
+    fn create(dir: &Path, size: u64, seed: u64, on_device: bool) -> Result<Self, BenchError> {
+        let suffix = if on_device { "-disk" } else { "" };
+        let path = dir.join(format!("blkplane-bench-{}{suffix}.img", std::process::id()));
         let mut file = File::options()
             .write(true)
             .create_new(true)
@@ -172,7 +190,7 @@ impl ShmImage {
             .map_err(BenchError::io(format!("creating {}", path.display())))?;
         let image = Self { path };
         if let Ok(c_path) = CString::new(image.path.as_os_str().as_bytes()) {
-            let _ = IMAGE_TO_REMOVE.set(c_path);
+            let _ = IMAGES_TO_REMOVE[usize::from(on_device)].set(c_path);
         }
         let mut state = seed | 1;
         let mut chunk = vec![0u8; 1 << 20];
@@ -189,6 +207,12 @@ impl ShmImage {
                 .map_err(BenchError::io(format!("filling {}", image.path.display())))?;
             left -= n as u64;
         }
+        if on_device {
+            file.sync_all()
+                .map_err(BenchError::io(format!("syncing {}", image.path.display())))?;
+            // SAFETY: plain posix_fadvise on a descriptor we own; the whole file.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
         Ok(image)
     }
 
@@ -202,10 +226,38 @@ impl ShmImage {
     }
 }
 
-impl Drop for ShmImage {
+impl Drop for ImageFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// Refuses a --disk-dir whose files would live in memory: the disk image must be on a device.
+fn check_disk_dir(dir: &Path) -> Result<(), BenchError> {
+    let fs = procfs::fs_type(dir).map_err(BenchError::io(format!(
+        "statfs of --disk-dir {}",
+        dir.display()
+    )))?;
+    if fs.in_memory() {
+        return Err(BenchError::Missing(format!(
+            "--disk-dir {} is on tmpfs or ramfs (statfs f_type {:#x}); the disk image must be \
+             on a real device: pass a directory on one (e.g. /var/tmp) or leave disk out of \
+             --images",
+            dir.display(),
+            fs.0
+        )));
+    }
+    Ok(())
+}
+
+/// The error for the ch target without a binary.
+fn ch_binary_missing() -> BenchError {
+    BenchError::Missing(
+        "the ch target needs --ch-binary PATH: cloud-hypervisor's vhost_user_block, built \
+         from its source, e.g. `/work/shared/tools/build-ch-block.sh CH_GIT MICRO_HTTP_GIT \
+         /work/ch-build` (it prints the binary's path); or leave ch out of --targets"
+            .into(),
+    )
 }
 
 /// A private directory for sockets and logs (short, as socket paths must be), removed on drop.
@@ -266,6 +318,8 @@ fn git_revision() -> String {
 struct Context {
     args: Vec<String>,
     qsd_version: String,
+    ch_version: String,
+    disk_fs: String,
     blkplane_rev: String,
     bin_dir: PathBuf,
     load_before: String,
@@ -275,11 +329,14 @@ struct Context {
     backend_cpu: Option<CpuList>,
     direct: bool,
     size: u64,
+    shm_dir: PathBuf,
+    disk_dir: PathBuf,
     timing: Timing,
     reps: u32,
     workloads: Vec<Workload>,
     images: Vec<ImageKind>,
     backend_lines: Vec<String>,
+    skipped: Vec<String>,
     date: String,
     hops_before: String,
     hops_after: String,
@@ -370,6 +427,31 @@ fn run(args: Args) -> Result<(), BenchError> {
     } else {
         "not run".into()
     };
+    let ch_version = if targets.contains(&Target::Ch) {
+        let Some(ch) = &args.ch_binary else {
+            return Err(ch_binary_missing());
+        };
+        let version = first_line(ch, &["--version"], None).map_err(BenchError::Missing)?;
+        // Built in a cloud-hypervisor checkout (target/release/): name its commit.
+        let commit = ch
+            .parent()
+            .and_then(|dir| {
+                first_line(
+                    Path::new("git"),
+                    &["log", "-1", "--format=%h %cs"],
+                    Some(dir),
+                )
+                .ok()
+            })
+            .filter(|c| !c.is_empty())
+            .map_or_else(String::new, |c| format!(", cloud-hypervisor git {c}"));
+        format!("{version}{commit} (`{}`)", ch.display())
+    } else {
+        "not run".into()
+    };
+    if images.contains(&ImageKind::Disk) {
+        check_disk_dir(&args.disk_dir)?;
+    }
 
     // SAFETY: installing a handler that only calls async-signal-safe functions.
     unsafe {
@@ -387,30 +469,63 @@ fn run(args: Args) -> Result<(), BenchError> {
     let work_dir = WorkDir(std::env::temp_dir().join(format!("bpb-{}", std::process::id())));
     std::fs::create_dir_all(&work_dir.0)
         .map_err(BenchError::io(format!("creating {}", work_dir.0.display())))?;
-    let image = if images.contains(&ImageKind::Shm) {
+    let shm_image = if images.contains(&ImageKind::Shm) {
         eprintln!(
             "creating a {} MiB image in {}",
             args.size >> 20,
             args.shm_dir.display()
         );
-        Some(ShmImage::create(&args.shm_dir, args.size, args.seed)?)
+        Some(ImageFile::create(
+            &args.shm_dir,
+            args.size,
+            args.seed,
+            false,
+        )?)
     } else {
         None
     };
+    let disk_image = if images.contains(&ImageKind::Disk) {
+        eprintln!(
+            "creating a {} MiB image in {} (on the disk)",
+            args.size >> 20,
+            args.disk_dir.display()
+        );
+        let image = ImageFile::create(&args.disk_dir, args.size, args.seed, true)?;
+        if !image.supports_direct() {
+            return Err(BenchError::Missing(format!(
+                "{} cannot be opened with O_DIRECT; pass a --disk-dir on a file system that \
+                 takes it",
+                image.path.display()
+            )));
+        }
+        Some(image)
+    } else {
+        None
+    };
+    let disk_fs = if images.contains(&ImageKind::Disk) {
+        disk_fs_description(&args.disk_dir)
+    } else {
+        "not run".into()
+    };
     let direct = match args.direct {
-        Direct::Auto => image.as_ref().is_some_and(ShmImage::supports_direct),
+        Direct::Auto => shm_image.as_ref().is_some_and(ImageFile::supports_direct),
         Direct::On => true,
         Direct::Off => false,
     };
     let config = BackendConfig {
         bin_dir: bin_dir.clone(),
         qsd: args.qsd.clone(),
-        image: image
+        ch: args.ch_binary.clone(),
+        shm_image: shm_image
             .as_ref()
             .map(|i| i.path.clone())
             .unwrap_or_else(|| args.shm_dir.join("unused.img")),
+        disk_image: disk_image
+            .as_ref()
+            .map(|i| i.path.clone())
+            .unwrap_or_else(|| args.disk_dir.join("unused.img")),
         size: args.size,
-        direct,
+        shm_direct: direct,
         cpus: args.backend_cpu.clone(),
         work_dir: work_dir.0.clone(),
     };
@@ -443,7 +558,6 @@ fn run(args: Args) -> Result<(), BenchError> {
                         kind,
                         workload,
                         &config,
-                        image.as_ref(),
                         timing,
                         args.seed.wrapping_add(rep as u64),
                     )?;
@@ -476,24 +590,39 @@ fn run(args: Args) -> Result<(), BenchError> {
         for &target in &targets {
             let queues = 1;
             if let Some((program, args)) = target::command(target, kind, queues, &config, socket) {
+                let more = match target {
+                    Target::Blkplane => "--num-queues N --iothreads N",
+                    Target::Qsd => "num-queues=N",
+                    Target::Ch => "num_queues=N",
+                    Target::Ceiling => "num-queues=N",
+                };
                 backend_lines.push(format!(
-                    "# {target}, {kind} image ({queues} queue; N queues: --num-queues/\
-                     --iothreads or num-queues=N)\n{}",
+                    "# {target}, {kind} image ({queues} queue; N queues: {more})\n{}",
                     target::shell_line(&program, &args)
                 ));
             }
         }
     }
-    if images.contains(&ImageKind::Shm) && targets.contains(&Target::Ceiling) {
-        backend_lines.push(format!(
-            "# ceiling, shm image: no back-end; libblkio driver io_uring, path={}, direct={}",
-            config.image.display(),
-            direct
-        ));
+    let mut skipped = Vec::new();
+    for &kind in &images {
+        for &target in &targets {
+            if let Some(reason) = kind.skip_reason(target) {
+                skipped.push(format!("{target} on {kind}: {reason}"));
+            } else if let (Target::Ceiling, Some(path)) = (target, config.image(kind)) {
+                backend_lines.push(format!(
+                    "# ceiling, {kind} image: no back-end; libblkio driver io_uring, path={}, \
+                     direct={}",
+                    path.display(),
+                    config.direct(kind)
+                ));
+            }
+        }
     }
     let context = Context {
         args: std::env::args().collect(),
         qsd_version,
+        ch_version,
+        disk_fs,
         blkplane_rev: git_revision(),
         bin_dir,
         busy: busy_before || procfs::load1() > BUSY_LOAD + 2.0,
@@ -503,18 +632,24 @@ fn run(args: Args) -> Result<(), BenchError> {
         backend_cpu: args.backend_cpu.clone(),
         direct,
         size: args.size,
+        shm_dir: args.shm_dir.clone(),
+        disk_dir: args.disk_dir.clone(),
         timing,
         reps: args.reps,
         workloads,
         images,
         backend_lines,
+        skipped,
         date: first_line(Path::new("date"), &["-u", "+%Y-%m-%d %H:%M UTC"], None)
             .unwrap_or_default(),
         hops_before,
         hops_after,
     };
     println!("{}", report::figures_table(&results));
+    println!("{}", report::best_peer_table(&results));
     println!("{}", report::ratios_table(&results));
+    drop(shm_image);
+    drop(disk_image);
     if args.no_report {
         return Ok(());
     }
@@ -528,39 +663,63 @@ fn run_one(
     kind: ImageKind,
     workload: &Workload,
     config: &BackendConfig,
-    image: Option<&ShmImage>,
     timing: Timing,
     seed: u64,
 ) -> Result<RunStats, BenchError> {
     let mut backend = Backend::start(target, kind, workload.queues, config)?;
+    let image = config.image(kind);
+    let direct = config.direct(kind);
     let measurement = match (&backend, image) {
         (Some(backend), _) => {
-            let pids = || backend.pids();
-            client::run(
+            // At the window's start, with the front-end connected: how the back-end's
+            // processes hold the image.
+            let flags = std::cell::RefCell::new(Vec::new());
+            let pids = || {
+                let pids = backend.pids();
+                if let Some(path) = image {
+                    *flags.borrow_mut() = pids
+                        .iter()
+                        .flat_map(|&pid| procfs::open_flags(pid, path))
+                        .collect();
+                }
+                pids
+            };
+            let m = client::run(
                 Connection::VhostUser(backend.socket()),
                 workload,
                 config.size,
                 timing,
                 seed,
                 Some(&pids),
-            )?
+            )?;
+            if image.is_some() {
+                check_direct(target, kind, direct, &flags.borrow())?;
+            }
+            m
         }
-        (None, Some(image)) => client::run(
-            Connection::IoUring {
-                path: &image.path,
-                direct: config.direct,
-            },
+        (None, Some(path)) => client::run(
+            Connection::IoUring { path, direct },
             workload,
             config.size,
             timing,
             seed,
             None,
         )?,
-        (None, None) => return Err(BenchError::Missing(format!("{target} needs the shm image"))),
+        (None, None) => {
+            return Err(BenchError::Missing(format!(
+                "{target} needs an image file, not {kind}"
+            )))
+        }
     };
     if let Some(backend) = &mut backend {
-        // A back-end that died during the run would have stalled it; check anyway.
-        backend.check_alive()?;
+        if target == Target::Ch {
+            // vhost_user_block exits by itself once its one front-end has gone: fine, if it
+            // exits cleanly.
+            backend.wait_exit(Duration::from_secs(2))?;
+        } else {
+            // A back-end that died during the run would have stalled it; check anyway.
+            backend.check_alive()?;
+        }
         backend.stop();
     }
     RunStats::new(&measurement).ok_or_else(|| {
@@ -569,6 +728,50 @@ fn run_one(
             workload.name
         ))
     })
+}
+
+/// Whether the back-end holds the image the way it was told to: with O_DIRECT on at least one
+/// descriptor (blkplane's frontend keeps a buffered one besides), or on none.
+fn check_direct(
+    target: Target,
+    kind: ImageKind,
+    direct: bool,
+    flags: &[u32],
+) -> Result<(), BenchError> {
+    let o_direct = libc::O_DIRECT as u32;
+    let with = flags.iter().filter(|&&f| f & o_direct != 0).count();
+    let ok = !flags.is_empty() && if direct { with > 0 } else { with == 0 };
+    if ok {
+        Ok(())
+    } else {
+        Err(BenchError::Missing(format!(
+            "{target} on the {kind} image: expected it open {}, found {} descriptor(s) on \
+             it, {with} with O_DIRECT",
+            if direct { "with O_DIRECT" } else { "buffered" },
+            flags.len()
+        )))
+    }
+}
+
+/// The file system of --disk-dir and its device, for the report (from /proc/self/mountinfo's
+/// longest matching mount point).
+fn disk_fs_description(dir: &Path) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return "unknown".into();
+    };
+    info.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let mount = left.split_whitespace().nth(4)?;
+            let mut right = right.split_whitespace();
+            let fs = right.next()?;
+            let source = right.next()?;
+            dir.starts_with(mount)
+                .then(|| (mount.len(), format!("{fs} on {source}, mounted at {mount}")))
+        })
+        .max_by_key(|(len, _)| *len)
+        .map_or_else(|| "unknown".into(), |(_, d)| d)
 }
 
 fn write_report(out_dir: &Path, context: &Context, results: &Results) -> Result<(), BenchError> {
@@ -644,8 +847,9 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
     let _ = write!(
         out,
         "# Benchmarks\n\n\
-         blkplane against qemu-storage-daemon on the same images with the same libblkio client, \
-         and the io_uring ceiling (the image driven directly, no virtio). Written by \
+         blkplane against qemu-storage-daemon and cloud-hypervisor's vhost_user_block (`ch`) on \
+         the same images with the same libblkio client, and the io_uring ceiling (the image \
+         driven directly, no virtio). Written by \
          `blkplane-bench` ([bench/](bench/)), which reruns it all; only the Notes section at the \
          end is hand-written (and kept when the file is rewritten).\n\n\
          ![IOPS and CPU per I/O per workload and target](docs/bench.svg)\n\n\
@@ -655,7 +859,9 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
          {command_line}\n\
          ```\n\n\
          A smoke run takes seconds: `target/release/blkplane-bench --runtime 1 --ramp 0.5 \
-         --reps 1 --workloads randread-4k-qd1 --out-dir /tmp/bench-smoke`.\n\n\
+         --reps 1 --workloads randread-4k-qd1 --targets blkplane,qsd,ceiling --out-dir \
+         /tmp/bench-smoke` (add `ch` to --targets with `--ch-binary PATH`: cloud-hypervisor's \
+         vhost_user_block, built from its source outside this repository; see the Notes).\n\n\
          ## Machine and versions\n\n\
          | | |\n|---|---|\n\
          | date | {} |\n\
@@ -663,6 +869,8 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
          | memory | {:.1} GiB |\n\
          | kernel | {} |\n\
          | qemu-storage-daemon | {} |\n\
+         | cloud-hypervisor vhost_user_block (ch) | {} |\n\
+         | disk image's file system (--disk-dir {}) | {} |\n\
          | blkplane | git {} (binaries from `{}`) |\n\
          | load average before / after | `{}` / `{}` |\n\
          | one eventfd wake-up (thread to thread), before the runs | {} |\n\
@@ -674,6 +882,9 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
         procfs::memory_gib(),
         procfs::kernel(),
         c.qsd_version,
+        c.ch_version,
+        c.disk_dir.display(),
+        c.disk_fs,
         c.blkplane_rev,
         c.bin_dir.display(),
         c.load_before,
@@ -722,7 +933,8 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
          fixed log-linear histogram (64 buckets per power of two, ±0.8 %). Requests complete \
          in batches, and a batch is stamped once when `do_io` returns.\n\
          - Back-end CPU: utime + stime from `/proc/<pid>/stat` of every back-end process \
-         (blkplane-frontend and all its blkplane-iothread children; qemu-storage-daemon), \
+         (blkplane-frontend and all its descendants: the iothread spawner and the \
+         blkplane-iothread processes under it; qemu-storage-daemon; vhost_user_block), \
          sampled at the start and end of the measured window, divided by the requests \
          completed in it: µs per I/O equals CPU seconds per million I/Os. Client CPU: \
          getrusage of the benchmark process (all its threads; for the ceiling that includes \
@@ -736,14 +948,29 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
          would turn every wait into a spin).\n\
          - blkplane runs with its defaults otherwise (`--cache direct`, queue size 256); qsd \
          10.0's vhost-user-blk export serves all its queues from the one iothread it can be \
-         given (it refuses a list), so on 2 queues blkplane has 2 iothreads and qsd 1.\n",
+         given (it refuses a list), so on 2 queues blkplane has 2 iothreads and qsd 1. ch \
+         (cloud-hypervisor's vhost_user_block) runs one worker thread per queue that does \
+         each request with a synchronous read or write on the image (no io_uring, so it keeps \
+         at most one request per queue at the device whatever the depth), with \
+         `poll_queue=false` (it does not poll: between kicks it waits in epoll, as the others \
+         wait on their eventfds) and queue size 256; it \
+         serves one front-end connection and exits, and a fresh one is started per run like \
+         every back-end. Back-end CPU and wake-ups of ch are counted like the others': its \
+         process, all threads.\n\
+         - Per row the report compares blkplane with the best peer of that image and workload: \
+         qsd or ch, whichever has the higher median IOPS.\n\
+         - Skipped cells: {}.\n\
+         - Every run checks, from /proc/<pid>/fdinfo at the window's start, that the back-end \
+         holds a file image the way it was told (O_DIRECT on at least one descriptor for \
+         direct; blkplane's frontend keeps a buffered one besides), and fails otherwise.\n",
         c.images
             .iter()
             .map(|i| match i {
                 ImageKind::Shm => format!(
-                    "`shm`: a {} MiB raw file in tmpfs filled with pseudo-random data, opened \
-                     {} by every target",
+                    "`shm`: a {} MiB raw file in tmpfs ({}) filled with pseudo-random data, \
+                     opened {} by every target",
                     c.size >> 20,
+                    c.shm_dir.display(),
                     if c.direct {
                         "with O_DIRECT (tmpfs accepts it since Linux 6.6 and copies as usual)"
                     } else {
@@ -754,8 +981,18 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
                     "`null`: blkplane's `--image null:{}` against qsd's \
                      `null-co,read-zeroes=on,size={}`: reads return zeros, writes are \
                      dropped, so only the data path is measured (no ceiling: there is \
-                     nothing to drive directly)",
+                     nothing to drive directly; no ch: vhost_user_block serves files only)",
                     c.size, c.size
+                ),
+                ImageKind::Disk => format!(
+                    "`disk`: a {} MiB raw file in {} on the machine's disk ({}), filled with \
+                     pseudo-random data, synced and dropped from the page cache before the \
+                     runs, opened with O_DIRECT by every target (blkplane `--cache direct`, qsd \
+                     `cache.direct=on`, ch `direct=true`, the ceiling `direct=true`): a real \
+                     device's latency, the page cache bypassed",
+                    c.size >> 20,
+                    c.disk_dir.display(),
+                    c.disk_fs
                 ),
             })
             .collect::<Vec<_>>()
@@ -764,6 +1001,11 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
         c.timing.runtime.as_secs_f64(),
         c.reps,
         if c.reps > 1 { "s" } else { "" },
+        if c.skipped.is_empty() {
+            "none".to_string()
+        } else {
+            c.skipped.join("; ")
+        },
     );
     let _ = writeln!(
         out,
@@ -774,9 +1016,18 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
     out.push_str(&report::figures_table(results));
     let _ = writeln!(
         out,
-        "\n### Ratios\n\nOf the medians above: a target's figure divided by qsd's and by the \
-         ceiling's for the same image and workload (MiB/s ratios equal the IOPS ratios). \
-         Above 1× is more IOPS, but also more latency and more CPU per I/O. The ceiling \
+        "\n### blkplane against the best peer\n\nOf the medians above, per image and \
+         workload: blkplane and the best peer back-end (qsd or ch, whichever has more IOPS), \
+         side by side, and blkplane's figure divided by the peer's. Above 1× is more IOPS, but \
+         also more latency and more CPU per I/O. The last column gives the other peer, where \
+         it ran.\n"
+    );
+    out.push_str(&report::best_peer_table(results));
+    let _ = writeln!(
+        out,
+        "\n### Ratios\n\nOf the medians above: blkplane's figure divided by the best peer's \
+         (named in the first ratio column), and every back-end's divided by the ceiling's for \
+         the same image and workload (MiB/s ratios equal the IOPS ratios). The ceiling \
          comparison uses the whole path's CPU (back-end + client) against the ceiling's \
          client, which does all of its I/O.\n"
     );

@@ -1,6 +1,10 @@
 //! What the benchmark reads from /proc: CPU time and context switches of the back-end's
-//! processes, their children, whether a socket listens, and facts about the machine.
+//! processes, their descendants, the flags they opened the image with, whether a socket
+//! listens, and facts about the machine (and, from statfs, what file system a directory is on).
 
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 /// Clock ticks per second, the unit of `utime`/`stime` in /proc/<pid>/stat.
@@ -53,6 +57,82 @@ pub fn children(pid: u32) -> Vec<u32> {
         .collect();
     found.sort_unstable();
     found
+}
+
+/// `pid` and all its descendants, children before grandchildren: blkplane-frontend forks an
+/// iothread spawner, whose children are the iothreads.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut all = vec![pid];
+    let mut next = 0;
+    while next < all.len() {
+        let parent = all[next];
+        next += 1;
+        for child in children(parent) {
+            if !all.contains(&child) {
+                all.push(child);
+            }
+        }
+    }
+    all
+}
+
+/// The `flags` (octal in /proc/<pid>/fdinfo/<fd>) of every descriptor of `pid` that refers to
+/// `path`: how the process opened the image (`O_DIRECT` is 0o40000 on x86 and arm64).
+pub fn open_flags(pid: u32, path: &Path) -> Vec<u32> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    let want = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
+    fds.filter_map(|fd| {
+        let fd = fd.ok()?;
+        if std::fs::read_link(fd.path()).ok()? != want {
+            return None;
+        }
+        let info =
+            std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_str()?))
+                .ok()?;
+        parse_fdinfo_flags(&info)
+    })
+    .collect()
+}
+
+/// The `flags:` line of an fdinfo file.
+fn parse_fdinfo_flags(info: &str) -> Option<u32> {
+    let flags = info
+        .lines()
+        .find_map(|line| line.strip_prefix("flags:"))?
+        .trim();
+    u32::from_str_radix(flags, 8).ok()
+}
+
+/// A file system type, from statfs(2)'s `f_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsType(pub i64);
+
+impl FsType {
+    /// tmpfs (also /dev/shm).
+    pub const TMPFS: FsType = FsType(0x0102_1994);
+    /// ramfs.
+    pub const RAMFS: FsType = FsType(0x8584_58f6);
+
+    /// Whether files there live in memory, not on a device.
+    pub fn in_memory(self) -> bool {
+        self == Self::TMPFS || self == Self::RAMFS
+    }
+}
+
+/// The type of the file system `path` is on.
+pub fn fs_type(path: &Path) -> io::Result<FsType> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: statfs writes one struct statfs into the zeroed value we pass; the path is a
+    // NUL-terminated string that outlives the call.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut buf) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between libc targets.
+    Ok(FsType(buf.f_type as i64))
 }
 
 /// Voluntary context switches (a thread went to sleep: roughly its wake-ups) of every living
@@ -189,8 +269,63 @@ mod tests {
         assert!(children(me).contains(&child.id()));
         child.kill().unwrap();
         child.wait().unwrap();
+        // A grandchild is found too.
+        let mut shell = std::process::Command::new("sh")
+            .args(["-c", "sleep 5 & wait"])
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let family = loop {
+            let family = descendants(me);
+            if family.len() >= 3 || std::time::Instant::now() > deadline {
+                break family;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert_eq!(family[0], me);
+        assert!(family.contains(&shell.id()), "{family:?}");
+        let grandchildren = children(shell.id());
+        assert_eq!(grandchildren.len(), 1, "{family:?}");
+        assert!(family.contains(&grandchildren[0]));
+        for pid in grandchildren {
+            // SAFETY: plain kill(2) of the sleep we just started.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+        shell.wait().unwrap();
         assert!(!is_listening(Path::new("/nonexistent/socket")));
         assert!(!voluntary_switches(me).is_empty());
+    }
+
+    #[test]
+    fn open_flags_show_o_direct() {
+        let dir = std::env::temp_dir().join(format!("bpb-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let me = std::process::id();
+        let file = std::fs::File::open(&path).unwrap();
+        let flags = open_flags(me, &path);
+        assert_eq!(flags.len(), 1, "{flags:?}");
+        assert_eq!(flags[0] & libc::O_DIRECT as u32, 0);
+        drop(file);
+        assert!(open_flags(me, &path).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            parse_fdinfo_flags("pos:\t0\nflags:\t0140002\nmnt_id:\t25\n"),
+            Some(0o140002)
+        );
+        assert_eq!(0o140002 & libc::O_DIRECT as u32, libc::O_DIRECT as u32);
+        assert_eq!(parse_fdinfo_flags("pos: 0\n"), None);
+    }
+
+    #[test]
+    fn file_system_types() {
+        assert!(FsType::TMPFS.in_memory() && FsType::RAMFS.in_memory());
+        assert!(!FsType(0xEF53).in_memory()); // ext4
+        if Path::new("/dev/shm").is_dir() {
+            assert!(fs_type(Path::new("/dev/shm")).unwrap().in_memory());
+        }
+        assert!(fs_type(Path::new("/nonexistent/dir")).is_err());
     }
 
     #[test]

@@ -152,6 +152,24 @@ impl Results {
             r.image == row.image && r.workload.name == row.workload.name && r.target == target
         })
     }
+
+    /// The best peer back-end ([`Target::PEERS`]) for the same image and workload as `row`:
+    /// the one with the highest median IOPS; the earlier in `PEERS` on a tie.
+    pub fn best_peer(&self, row: &Row) -> Option<&Row> {
+        let mut best: Option<(&Row, f64)> = None;
+        for target in Target::PEERS {
+            let Some(peer) = self.peer(row, target) else {
+                continue;
+            };
+            let Some(iops) = peer.median(|r| Some(r.iops)) else {
+                continue;
+            };
+            if best.is_none_or(|(_, b)| iops > b) {
+                best = Some((peer, iops));
+            }
+        }
+        best.map(|(peer, _)| peer)
+    }
 }
 
 /// 123456 → "123.5k".
@@ -221,22 +239,85 @@ pub fn figures_table(results: &Results) -> String {
     out
 }
 
-/// The table of ratios (of medians) to qsd and to the ceiling.
+/// blkplane against the best peer back-end (of qsd and ch, by median IOPS) of every image and
+/// workload: the medians side by side and their ratios.
+pub fn best_peer_table(results: &Results) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "| image | workload | best peer | IOPS blkplane / peer | IOPS ÷ peer | p50 µs blkplane / \
+         peer | p50 ÷ peer | p99 ÷ peer | back-end CPU µs/I/O blkplane / peer | CPU/I/O ÷ peer \
+         | back-end wake-ups/I/O blkplane / peer | other peer: IOPS, p50 µs |\n\
+         |---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+    );
+    for row in results.rows.iter().filter(|r| r.target == Target::Blkplane) {
+        let Some(peer) = results.best_peer(row) else {
+            continue;
+        };
+        let pair = |figure: fn(&RunStats) -> Option<f64>, format: fn(f64) -> String| {
+            let cell = |r: &Row| r.median(figure).map_or("—".into(), format);
+            format!("{} / {}", cell(row), cell(peer))
+        };
+        let vs =
+            |figure: fn(&RunStats) -> Option<f64>| ratio(row.median(figure), peer.median(figure));
+        let other = Target::PEERS
+            .iter()
+            .filter(|&&t| t != peer.target)
+            .filter_map(|&t| results.peer(row, t))
+            .map(|o| {
+                format!(
+                    "{} {}, {}",
+                    o.target,
+                    o.median(|r| Some(r.iops)).map_or("—".into(), si),
+                    o.median(|r| Some(r.p50)).map_or("—".into(), num)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            row.image,
+            row.workload.name,
+            peer.target,
+            pair(|r| Some(r.iops), si),
+            vs(|r| Some(r.iops)),
+            pair(|r| Some(r.p50), num),
+            vs(|r| Some(r.p50)),
+            vs(|r| Some(r.p99)),
+            pair(|r| r.backend_cpu, num),
+            vs(|r| r.backend_cpu),
+            pair(|r| r.backend_wakeups, num),
+            if other.is_empty() {
+                "—".into()
+            } else {
+                other
+            },
+        );
+    }
+    out
+}
+
+/// The table of ratios (of medians) to the best peer (blkplane's rows) and to the ceiling
+/// (every back-end's rows).
 pub fn ratios_table(results: &Results) -> String {
     let mut out = String::new();
     out.push_str(
-        "| image | workload | target | IOPS ÷ qsd | p50 ÷ qsd | p99 ÷ qsd | p99.9 ÷ qsd | \
-         back-end CPU/I/O ÷ qsd | IOPS ÷ ceiling | p50 ÷ ceiling | p99 ÷ ceiling | p99.9 ÷ \
-         ceiling | total CPU/I/O ÷ ceiling |\n\
+        "| image | workload | target | IOPS ÷ best peer | p50 ÷ best peer | p99 ÷ best peer | \
+         p99.9 ÷ best peer | back-end CPU/I/O ÷ best peer | IOPS ÷ ceiling | p50 ÷ ceiling | \
+         p99 ÷ ceiling | p99.9 ÷ ceiling | total CPU/I/O ÷ ceiling |\n\
          |---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
     );
     for row in results.rows.iter().filter(|r| r.target != Target::Ceiling) {
-        let qsd = results
-            .peer(row, Target::Qsd)
-            .filter(|_| row.target != Target::Qsd);
+        let best = results
+            .best_peer(row)
+            .filter(|_| row.target == Target::Blkplane);
         let ceiling = results.peer(row, Target::Ceiling);
         let vs = |peer: Option<&Row>, figure: fn(&RunStats) -> Option<f64>| {
             ratio(row.median(figure), peer.and_then(|p| p.median(figure)))
+        };
+        let best_cell = |figure: fn(&RunStats) -> Option<f64>| match best {
+            Some(peer) => format!("{} ({})", vs(best, figure), peer.target),
+            None => "—".into(),
         };
         let _ = writeln!(
             out,
@@ -244,11 +325,11 @@ pub fn ratios_table(results: &Results) -> String {
             row.image,
             row.workload.name,
             row.target,
-            vs(qsd, |r| Some(r.iops)),
-            vs(qsd, |r| Some(r.p50)),
-            vs(qsd, |r| Some(r.p99)),
-            vs(qsd, |r| Some(r.p999)),
-            vs(qsd, |r| r.backend_cpu),
+            best_cell(|r| Some(r.iops)),
+            vs(best, |r| Some(r.p50)),
+            vs(best, |r| Some(r.p99)),
+            vs(best, |r| Some(r.p999)),
+            vs(best, |r| r.backend_cpu),
             vs(ceiling, |r| Some(r.iops)),
             vs(ceiling, |r| Some(r.p50)),
             vs(ceiling, |r| Some(r.p99)),
@@ -319,8 +400,78 @@ mod tests {
             "{figures}"
         );
         let ratios = ratios_table(&results);
-        assert!(ratios.contains("| blkplane | 2.00× | 1.00× |"), "{ratios}");
+        assert!(
+            ratios.contains("| blkplane | 2.00× (qsd) | 1.00× |"),
+            "{ratios}"
+        );
         assert!(ratios.contains("| 0.50× |"), "{ratios}");
+        let best = best_peer_table(&results);
+        assert!(
+            best.contains("| shm | randread-4k-qd1 | qsd | 220 / 110 | 2.00× |"),
+            "{best}"
+        );
+        assert!(
+            best.contains("| 2.50 / 5.00 | 0.50× | 0.50 / 0.50 | — |"),
+            "{best}"
+        );
+    }
+
+    #[test]
+    fn the_best_peer_is_the_one_with_more_iops() {
+        let mut results = Results::default();
+        let w = &WORKLOADS[0];
+        let mut slow = run(100.0, 4.0);
+        slow.p50 = 40.0;
+        for rep in 0..3 {
+            results.add(ImageKind::Shm, w, Target::Blkplane, run(300.0, 2.0));
+            results.add(ImageKind::Shm, w, Target::Qsd, slow);
+            // ch wins on the median although one of its runs is slower than qsd's.
+            let ch = if rep == 0 { 50.0 } else { 200.0 };
+            results.add(ImageKind::Shm, w, Target::Ch, run(ch, 8.0));
+            // On null there is no ch: qsd is the best peer.
+            results.add(ImageKind::Null, w, Target::Blkplane, run(300.0, 2.0));
+            results.add(ImageKind::Null, w, Target::Qsd, slow);
+            // No peer at all on disk.
+            results.add(ImageKind::Disk, w, Target::Blkplane, run(300.0, 2.0));
+        }
+        results.sort(&WORKLOADS);
+        let row = |image| {
+            results
+                .rows
+                .iter()
+                .find(|r| r.image == image && r.target == Target::Blkplane)
+                .unwrap()
+        };
+        let best = |image| results.best_peer(row(image)).map(|p| p.target);
+        assert_eq!(best(ImageKind::Shm), Some(Target::Ch));
+        assert_eq!(best(ImageKind::Null), Some(Target::Qsd));
+        assert_eq!(best(ImageKind::Disk), None);
+        let table = best_peer_table(&results);
+        assert!(
+            table.contains("| shm | randread-4k-qd1 | ch | 300 / 200 | 1.50× | 10.0 / 10.0 |"),
+            "{table}"
+        );
+        assert!(table.contains("| qsd 100, 40.0 |"), "{table}");
+        assert!(
+            table.contains(
+                "| null | randread-4k-qd1 | qsd | 300 / 100 | 3.00× | 10.0 / 40.0 | 0.25× |"
+            ),
+            "{table}"
+        );
+        assert!(!table.contains("| disk |"), "{table}");
+        let ratios = ratios_table(&results);
+        assert!(
+            ratios.contains("| shm | randread-4k-qd1 | blkplane | 1.50× (ch) |"),
+            "{ratios}"
+        );
+        assert!(
+            ratios.contains("| shm | randread-4k-qd1 | qsd | — |"),
+            "{ratios}"
+        );
+        assert!(
+            ratios.contains("| disk | randread-4k-qd1 | blkplane | — |"),
+            "{ratios}"
+        );
     }
 
     #[test]

@@ -24,6 +24,7 @@ fn color(target: Target) -> &'static str {
     match target {
         Target::Blkplane => "#2b6cb0",
         Target::Qsd => "#dd6b20",
+        Target::Ch => "#38a169",
         Target::Ceiling => "#718096",
     }
 }
@@ -33,6 +34,7 @@ fn light(target: Target) -> &'static str {
     match target {
         Target::Blkplane => "#90cdf4",
         Target::Qsd => "#fbd38d",
+        Target::Ch => "#9ae6b4",
         Target::Ceiling => "#cbd5e0",
     }
 }
@@ -73,7 +75,7 @@ pub fn chart(results: &Results, subtitle: &str) -> String {
     let _ = writeln!(
         svg,
         r##"<rect width="100%" height="100%" fill="white"/>
-<text x="10" y="20" font-size="15" font-weight="bold">blkplane vs qemu-storage-daemon vs io_uring ceiling</text>
+<text x="10" y="20" font-size="15" font-weight="bold">blkplane vs qemu-storage-daemon vs cloud-hypervisor vhost_user_block (ch) vs io_uring ceiling</text>
 <text x="10" y="37" fill="#4a5568">{}</text>"##,
         escape(subtitle)
     );
@@ -87,7 +89,7 @@ pub fn chart(results: &Results, subtitle: &str) -> String {
             x + 16.0,
             target
         );
-        x += 90.0;
+        x += 80.0;
     }
     let _ = writeln!(
         svg,
@@ -218,7 +220,12 @@ mod tests {
         assert!(svg.starts_with("<svg"));
         assert!(svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("a &lt; b &amp; c"));
-        // Per row: one IOPS bar, two CPU bars; plus the background and three legend squares.
-        assert_eq!(svg.matches("<rect").count(), 4 * 3 + 1 + 3);
+        // Per row: one IOPS bar, two CPU bars; plus the background and a legend square per
+        // target.
+        let rows = Target::ALL.len() + 1;
+        assert_eq!(
+            svg.matches("<rect").count(),
+            rows * 3 + 1 + Target::ALL.len()
+        );
     }
 }

@@ -1,5 +1,6 @@
-//! Starting and stopping the back-ends: `blkplane-frontend` (with its iothreads) and
-//! `qemu-storage-daemon`, each listening on a vhost-user socket of its own.
+//! Starting and stopping the back-ends: `blkplane-frontend` (with its iothreads),
+//! `qemu-storage-daemon` and cloud-hypervisor's `vhost_user_block`, each listening on a
+//! vhost-user socket of its own.
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
@@ -81,20 +82,46 @@ pub struct BackendConfig {
     pub bin_dir: PathBuf,
     /// The qemu-storage-daemon binary.
     pub qsd: PathBuf,
+    /// cloud-hypervisor's vhost_user_block binary (needed only if ch is a target).
+    pub ch: Option<PathBuf>,
     /// The raw image in tmpfs.
-    pub image: PathBuf,
+    pub shm_image: PathBuf,
+    /// The raw image on the real disk.
+    pub disk_image: PathBuf,
     /// Disk size in bytes (the null images get the same).
     pub size: u64,
-    /// Whether the image can be opened with O_DIRECT (tmpfs can since Linux 6.6).
-    pub direct: bool,
+    /// Whether the shm image is opened with O_DIRECT (tmpfs can since Linux 6.6); the disk
+    /// image always is.
+    pub shm_direct: bool,
     /// CPUs for the back-end; `None` leaves it unpinned.
     pub cpus: Option<CpuList>,
     /// Where the sockets and logs go.
     pub work_dir: PathBuf,
 }
 
+impl BackendConfig {
+    /// The image file behind `kind`; `None` for the null image.
+    pub fn image(&self, kind: ImageKind) -> Option<&Path> {
+        match kind {
+            ImageKind::Shm => Some(&self.shm_image),
+            ImageKind::Disk => Some(&self.disk_image),
+            ImageKind::Null => None,
+        }
+    }
+
+    /// Whether every target opens the image of `kind` with O_DIRECT.
+    pub fn direct(&self, kind: ImageKind) -> bool {
+        match kind {
+            ImageKind::Shm => self.shm_direct,
+            ImageKind::Disk => true,
+            ImageKind::Null => false,
+        }
+    }
+}
+
 /// The command line that serves `kind` with `queues` queues on `socket`; `None` for the
-/// ceiling, which has no back-end.
+/// ceiling, which has no back-end, and where the target cannot serve the kind (see
+/// [`ImageKind::has`]).
 pub fn command(
     target: Target,
     kind: ImageKind,
@@ -102,37 +129,42 @@ pub fn command(
     config: &BackendConfig,
     socket: &Path,
 ) -> Option<(PathBuf, Vec<String>)> {
+    if !kind.has(target) {
+        return None;
+    }
     let socket = socket.display();
-    let image = config.image.display();
+    let image = config.image(kind).map(|p| p.display().to_string());
+    let direct = config.direct(kind);
     let size = config.size;
     match target {
         Target::Blkplane => {
-            let image = match kind {
-                ImageKind::Shm => image.to_string(),
-                ImageKind::Null => format!("null:{size}"),
-            };
             let mut args = vec![
                 "--socket".to_string(),
                 socket.to_string(),
                 "--image".into(),
-                image,
+                image.unwrap_or_else(|| format!("null:{size}")),
                 "--num-queues".into(),
                 queues.to_string(),
                 "--iothreads".into(),
                 queues.to_string(),
             ];
             // The default, --cache direct, falls back to buffered I/O by itself where the
-            // file system refuses O_DIRECT; buffered on purpose is writeback.
-            if kind == ImageKind::Shm && !config.direct {
-                args.extend(["--cache".into(), "writeback".into()]);
+            // file system refuses O_DIRECT; buffered on purpose is writeback. The disk image
+            // says direct explicitly (and the run checks the back-end's descriptors).
+            match kind {
+                ImageKind::Shm if !direct => {
+                    args.extend(["--cache".into(), "writeback".into()]);
+                }
+                ImageKind::Disk => args.extend(["--cache".into(), "direct".into()]),
+                _ => {}
             }
             Some((config.bin_dir.join("blkplane-frontend"), args))
         }
         Target::Qsd => {
             let mut args = vec!["--object".to_string(), "iothread,id=iot0".into()];
-            match kind {
-                ImageKind::Shm => {
-                    let direct = if config.direct { "on" } else { "off" };
+            match image {
+                Some(image) => {
+                    let direct = if direct { "on" } else { "off" };
                     args.extend([
                         "--blockdev".into(),
                         format!(
@@ -143,7 +175,7 @@ pub fn command(
                         "driver=raw,node-name=disk0,file=file0".into(),
                     ]);
                 }
-                ImageKind::Null => args.extend([
+                None => args.extend([
                     "--blockdev".into(),
                     format!("driver=null-co,node-name=disk0,read-zeroes=on,size={size}"),
                 ]),
@@ -158,6 +190,23 @@ pub fn command(
                 ),
             ]);
             Some((config.qsd.clone(), args))
+        }
+        Target::Ch => {
+            // One worker thread per queue, synchronous preadv/pwritev on the image; no polling
+            // (poll_queue=false), so that it sleeps between kicks as the others do.
+            let program = config
+                .ch
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("vhost_user_block"));
+            let args = vec![
+                "--block-backend".to_string(),
+                format!(
+                    "path={},socket={socket},num_queues={queues},queue_size=256,direct={direct},\
+                     poll_queue=false",
+                    image?
+                ),
+            ];
+            Some((program, args))
         }
         Target::Ceiling => None,
     }
@@ -198,6 +247,11 @@ impl Backend {
         config: &BackendConfig,
     ) -> Result<Option<Backend>, BenchError> {
         let socket = config.work_dir.join(format!("{target}.sock"));
+        if let Some(reason) = kind.skip_reason(target) {
+            return Err(BenchError::Missing(format!(
+                "{target} cannot serve the {kind} image: {reason}"
+            )));
+        }
         let Some((program, args)) = command(target, kind, queues, config, &socket) else {
             return Ok(None);
         };
@@ -228,7 +282,8 @@ impl Backend {
             });
         }
         let child = command.spawn().map_err(BenchError::io(format!(
-            "starting {} (build it with cargo build --release, or pass --bin-dir / --qsd)",
+            "starting {} (build it with cargo build --release, or pass --bin-dir / --qsd / \
+             --ch-binary)",
             program.display()
         )))?;
         let mut backend = Backend {
@@ -280,15 +335,32 @@ impl Backend {
         &self.socket
     }
 
-    /// The back-end's processes: the main one and its children (blkplane's iothreads).
+    /// The back-end's processes: the main one and all its descendants (blkplane's iothread
+    /// spawner and, under it, the iothreads).
     pub fn pids(&self) -> Vec<u32> {
         let Some(child) = &self.child else {
             return Vec::new();
         };
-        let pid = child.id();
-        let mut pids = vec![pid];
-        pids.extend(procfs::children(pid));
-        pids
+        procfs::descendants(child.id())
+    }
+
+    /// Whether the back-end has exited successfully (cloud-hypervisor's vhost_user_block
+    /// exits once its one front-end has disconnected); an error if it failed or still runs
+    /// after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<(), BenchError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) if status.success() => return Ok(()),
+                Some(Ok(Some(status))) => return Err(self.failure(format!("exited with {status}"))),
+                Some(Ok(None)) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Some(Ok(None)) => return Ok(()),
+                Some(Err(e)) => return Err(self.failure(format!("cannot be waited for: {e}"))),
+                None => return Ok(()),
+            }
+        }
     }
 
     /// SIGTERM, then SIGKILL if it does not exit in time; waits until its children are gone
@@ -297,7 +369,7 @@ impl Backend {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let children = procfs::children(child.id());
+        let children = procfs::descendants(child.id());
         // SAFETY: plain kill(2) on a child we spawned and have not reaped yet.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         let deadline = Instant::now() + STOP_TIMEOUT;
@@ -356,9 +428,11 @@ mod tests {
         let config = BackendConfig {
             bin_dir: "/b".into(),
             qsd: "qemu-storage-daemon".into(),
-            image: "/dev/shm/x.img".into(),
+            ch: Some("/ch/vhost_user_block".into()),
+            shm_image: "/dev/shm/x.img".into(),
+            disk_image: "/var/tmp/x.img".into(),
             size: 1 << 30,
-            direct: true,
+            shm_direct: true,
             cpus: None,
             work_dir: "/w".into(),
         };
@@ -381,6 +455,42 @@ mod tests {
         let null = line(Target::Qsd, ImageKind::Null);
         assert!(null.contains("driver=null-co,node-name=disk0,read-zeroes=on,size=1073741824"));
         assert!(command(Target::Ceiling, ImageKind::Shm, 1, &config, socket).is_none());
+
+        // The disk image: O_DIRECT everywhere, said explicitly.
+        assert_eq!(
+            line(Target::Blkplane, ImageKind::Disk),
+            "/b/blkplane-frontend --socket /w/s.sock --image /var/tmp/x.img --num-queues 2 \
+             --iothreads 2 --cache direct"
+        );
+        let qsd = line(Target::Qsd, ImageKind::Disk);
+        assert!(
+            qsd.contains("filename=/var/tmp/x.img,aio=io_uring,cache.direct=on"),
+            "{qsd}"
+        );
+        // cloud-hypervisor: its one option, a fresh process per run; no null image.
+        assert_eq!(
+            line(Target::Ch, ImageKind::Disk),
+            "/ch/vhost_user_block --block-backend path=/var/tmp/x.img,socket=/w/s.sock,\
+             num_queues=2,queue_size=256,direct=true,poll_queue=false"
+        );
+        let shm_buffered = BackendConfig {
+            shm_direct: false,
+            ..config.clone()
+        };
+        let (program, args) =
+            command(Target::Ch, ImageKind::Shm, 1, &shm_buffered, socket).unwrap();
+        assert!(
+            shell_line(&program, &args).contains(
+                "path=/dev/shm/x.img,socket=/w/s.sock,\
+                 num_queues=1,queue_size=256,direct=false,poll_queue=false"
+            ),
+            "{args:?}"
+        );
+        let (_, args) =
+            command(Target::Blkplane, ImageKind::Shm, 1, &shm_buffered, socket).unwrap();
+        assert!(args.ends_with(&["--cache".into(), "writeback".into()]));
+        assert!(command(Target::Ch, ImageKind::Null, 1, &config, socket).is_none());
+        assert!(command(Target::Ceiling, ImageKind::Disk, 1, &config, socket).is_none());
         assert_eq!(
             shell_line(Path::new("a"), &["b c".into(), "it's".into()]),
             "a 'b c' 'it'\\''s'"

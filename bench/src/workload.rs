@@ -21,13 +21,29 @@ pub struct Workload {
 }
 
 /// Every workload, in report order.
-pub const WORKLOADS: [Workload; 6] = [
+pub const WORKLOADS: [Workload; 8] = [
     Workload {
         name: "randread-4k-qd1",
         write: false,
         random: true,
         block_size: 4096,
         depth: 1,
+        queues: 1,
+    },
+    Workload {
+        name: "randwrite-4k-qd1",
+        write: true,
+        random: true,
+        block_size: 4096,
+        depth: 1,
+        queues: 1,
+    },
+    Workload {
+        name: "randread-4k-qd4",
+        write: false,
+        random: true,
+        block_size: 4096,
+        depth: 4,
         queues: 1,
     },
     Workload {
@@ -104,19 +120,25 @@ pub enum Target {
     Blkplane,
     /// qemu-storage-daemon's vhost-user-blk export.
     Qsd,
+    /// cloud-hypervisor's `vhost_user_block` (built from its source; `--ch-binary`).
+    Ch,
     /// No back-end: libblkio's io_uring driver on the image itself (the ceiling).
     Ceiling,
 }
 
 impl Target {
     /// Every target, in report order.
-    pub const ALL: [Target; 3] = [Target::Blkplane, Target::Qsd, Target::Ceiling];
+    pub const ALL: [Target; 4] = [Target::Blkplane, Target::Qsd, Target::Ch, Target::Ceiling];
+
+    /// The other back-ends blkplane is compared with, row by row against the best of them.
+    pub const PEERS: [Target; 2] = [Target::Qsd, Target::Ch];
 
     /// The name used on the command line and in the report.
     pub fn name(self) -> &'static str {
         match self {
             Self::Blkplane => "blkplane",
             Self::Qsd => "qsd",
+            Self::Ch => "ch",
             Self::Ceiling => "ceiling",
         }
     }
@@ -135,23 +157,39 @@ pub enum ImageKind {
     Shm,
     /// blkplane's `null:SIZE`, qsd's `null-co,read-zeroes=on`: the data path alone.
     Null,
+    /// A raw image file on the machine's real disk (/var/tmp by default, never tmpfs), opened
+    /// with O_DIRECT by every target: a real device's latency.
+    Disk,
 }
 
 impl ImageKind {
     /// Every image kind, in report order.
-    pub const ALL: [ImageKind; 2] = [ImageKind::Shm, ImageKind::Null];
+    pub const ALL: [ImageKind; 3] = [ImageKind::Shm, ImageKind::Null, ImageKind::Disk];
 
     /// The name used on the command line and in the report.
     pub fn name(self) -> &'static str {
         match self {
             Self::Shm => "shm",
             Self::Null => "null",
+            Self::Disk => "disk",
         }
     }
 
-    /// Whether `target` can serve this kind (there is no io_uring ceiling for a null image).
+    /// Whether `target` can serve this kind: a null image has no io_uring ceiling (there is no
+    /// file to drive) and no ch (`vhost_user_block` serves files only).
     pub fn has(self, target: Target) -> bool {
-        !(self == Self::Null && target == Target::Ceiling)
+        self.skip_reason(target).is_none()
+    }
+
+    /// Why `target` does not run on this kind, for the report; `None` if it does.
+    pub fn skip_reason(self, target: Target) -> Option<&'static str> {
+        match (self, target) {
+            (Self::Null, Target::Ceiling) => Some("no file to drive directly"),
+            (Self::Null, Target::Ch) => {
+                Some("cloud-hypervisor's vhost_user_block serves image files only")
+            }
+            _ => None,
+        }
     }
 }
 
@@ -203,9 +241,51 @@ mod tests {
     }
 
     #[test]
-    fn null_images_have_no_ceiling() {
+    fn null_images_have_no_ceiling_and_no_ch() {
         assert!(!ImageKind::Null.has(Target::Ceiling));
+        assert!(!ImageKind::Null.has(Target::Ch));
+        assert!(ImageKind::Null.skip_reason(Target::Ch).is_some());
         assert!(ImageKind::Shm.has(Target::Ceiling));
         assert!(ImageKind::Null.has(Target::Qsd));
+        for target in Target::ALL {
+            assert!(ImageKind::Disk.has(target), "{target}");
+            assert!(ImageKind::Shm.has(target), "{target}");
+        }
+    }
+
+    #[test]
+    fn new_targets_images_and_workloads_parse() {
+        let got = select("ch,qsd", &Target::ALL, |t| t.name()).unwrap();
+        assert_eq!(got, [Target::Qsd, Target::Ch]);
+        let got = select("disk,shm", &ImageKind::ALL, |i| i.name()).unwrap();
+        assert_eq!(got, [ImageKind::Shm, ImageKind::Disk]);
+        let got = select(
+            "randread-4k-qd32,randread-4k-qd4,randwrite-4k-qd1,randread-4k-qd1",
+            &WORKLOADS,
+            |w| w.name,
+        )
+        .unwrap();
+        let names: Vec<_> = got.iter().map(|w| w.name).collect();
+        // Report order: QD1 read, QD1 write, QD4, QD32.
+        assert_eq!(
+            names,
+            [
+                "randread-4k-qd1",
+                "randwrite-4k-qd1",
+                "randread-4k-qd4",
+                "randread-4k-qd32"
+            ]
+        );
+        let qd1w = got[1];
+        assert!(qd1w.write && qd1w.random && qd1w.depth == 1 && qd1w.block_size == 4096);
+        assert_eq!(got[2].describe(), "rw=randread bs=4k iodepth=4");
+        // Names are unique.
+        for (i, w) in WORKLOADS.iter().enumerate() {
+            assert!(
+                WORKLOADS[i + 1..].iter().all(|x| x.name != w.name),
+                "{}",
+                w.name
+            );
+        }
     }
 }
