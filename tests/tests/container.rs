@@ -42,14 +42,17 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use blkplane_tests::daemon::proc_state;
-use blkplane_tests::json::Json;
+use blkplane_tests::json::{to_json, Json};
+use blkplane_tests::tools::{
+    dechunk, on_path, output_within, python_has_yaml, run_tool, text, TOOL_TIMEOUT,
+};
 use blkplane_tests::{binaries, create_image, pattern, read_file_at, wait_for, Client, TempDir};
 
 /// The image the tests build and run (the chart is rendered with it).
@@ -57,8 +60,6 @@ const IMAGE_REPOSITORY: &str = "localhost/blkplane-test";
 const IMAGE_TAG: &str = "latest";
 /// The longest wait for blkplaned, a disk, a probe or a container.
 const TIMEOUT: Duration = Duration::from_secs(30);
-/// The longest a helm, python, podman or dpkg run may take.
-const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 /// The longest the image build may take (the first one makes the Debian rootfs).
 const BUILD_TIMEOUT: Duration = Duration::from_secs(900);
 /// Where the image keeps the binaries.
@@ -90,25 +91,6 @@ fn target_dir() -> PathBuf {
         .find(|d| d.join("CACHEDIR.TAG").is_file())
         .map(Path::to_path_buf)
         .unwrap_or_else(|| workspace().join("target"))
-}
-
-/// An executable `name` in a directory of `PATH`.
-fn on_path(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join(name))
-        .find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
-}
-
-fn python_has_yaml(python: &Path) -> bool {
-    Command::new(python)
-        .args(["-c", "import yaml"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// The external tools, found once.
@@ -210,67 +192,6 @@ fn podman() -> Command {
     cmd.env("CONTAINERS_CONF", &t.containers_conf)
         .args(["--runtime", "runc"]);
     cmd
-}
-
-/// Runs `cmd` to completion within `timeout` and returns its output (any status).
-fn output_within(cmd: &mut Command, timeout: Duration) -> Output {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    // Drained on threads, so that a chatty tool cannot block on a full pipe.
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let out_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err.read_to_end(&mut v);
-        v
-    });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{cmd:?} did not finish within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    Output {
-        status,
-        stdout: out_reader.join().unwrap(),
-        stderr: err_reader.join().unwrap(),
-    }
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// Runs a tool that must succeed; returns its stdout.
-#[track_caller]
-fn run_tool(cmd: &mut Command, what: &str) -> String {
-    let out = output_within(cmd, TOOL_TIMEOUT);
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}",
-        out.status,
-        text(&out)
-    );
-    String::from_utf8(out.stdout).expect("tool output is not UTF-8")
 }
 
 /// `REPOSITORY:TAG` of the image under test, built on first use by packaging/build-image.sh
@@ -607,50 +528,6 @@ fn run_options(pod: &Json, c: &Json, node: &Node) -> Vec<String> {
     );
     o.push(format!("--entrypoint={entrypoint}"));
     o
-}
-
-/// JSON text of `v` (podman's --entrypoint, and the Pod manifest for `podman kube play`, which
-/// reads JSON as the YAML it is).
-fn to_json(v: &Json, out: &mut String) {
-    match v {
-        Json::Null => out.push_str("null"),
-        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Json::Num(n) => out.push_str(n),
-        Json::Str(s) => {
-            out.push('"');
-            for c in s.chars() {
-                match c {
-                    '"' => out.push_str("\\\""),
-                    '\\' => out.push_str("\\\\"),
-                    c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-                    c => out.push(c),
-                }
-            }
-            out.push('"');
-        }
-        Json::Arr(a) => {
-            out.push('[');
-            for (i, e) in a.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                to_json(e, out);
-            }
-            out.push(']');
-        }
-        Json::Obj(m) => {
-            out.push('{');
-            for (i, (k, e)) in m.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                to_json(&Json::Str(k.clone()), out);
-                out.push(':');
-                to_json(e, out);
-            }
-            out.push('}');
-        }
-    }
 }
 
 /// A name no other test (or run) uses at the same time.
@@ -1105,19 +982,6 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
         body.to_string()
     };
     Some((status, body))
-}
-
-fn dechunk(mut rest: &str) -> Option<String> {
-    let mut out = String::new();
-    loop {
-        let (size, tail) = rest.split_once("\r\n")?;
-        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
-        if size == 0 {
-            return Some(out);
-        }
-        out.push_str(tail.get(..size)?);
-        rest = tail.get(size + 2..)?;
-    }
 }
 
 /// GET /metrics on the pod's IP and port (200 within [`TIMEOUT`]).

@@ -33,13 +33,16 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use blkplane_tests::daemon::{alive, comm, kill, processes_with_arg_prefix};
 use blkplane_tests::frontend::{children_of, SPAWNER_COMM};
-use blkplane_tests::json::Json;
+use blkplane_tests::json::{to_json, Json};
+use blkplane_tests::tools::{
+    dechunk, on_path, output_within, python_has_yaml, run_tool, TOOL_TIMEOUT,
+};
 use blkplane_tests::{binaries, create_image, pattern, read_file_at, wait_for, Client, TempDir};
 
 /// The Kubernetes version the manifests are rendered for and validated against.
@@ -49,8 +52,6 @@ const RELEASE: &str = "blkplane";
 const NAMESPACE: &str = "blkplane-system";
 /// The longest wait for blkplaned (start, an endpoint, a disk, an exit).
 const TIMEOUT: Duration = Duration::from_secs(20);
-/// The longest a helm, kubernetes-validate or python run may take.
-const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 /// What to do when a tool is missing.
 const INSTALL_HINT: &str = "the Helm chart checks need helm 4 and kubernetes-validate (with its \
                             PyYAML): install them with `sudo bash tests/setup.sh`";
@@ -78,25 +79,6 @@ struct Tools {
     validate: PathBuf,
     /// A python3 that can `import yaml`, to turn helm's YAML into JSON.
     python: PathBuf,
-}
-
-/// An executable `name` in a directory of `PATH`.
-fn on_path(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join(name))
-        .find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
-}
-
-fn python_has_yaml(python: &Path) -> bool {
-    Command::new(python)
-        .args(["-c", "import yaml"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 fn tools() -> &'static Tools {
@@ -132,60 +114,6 @@ fn tools() -> &'static Tools {
             python,
         }
     })
-}
-
-/// Runs `cmd` to completion within [`TOOL_TIMEOUT`] and returns its output (any status).
-fn output_within(cmd: &mut Command, timeout: Duration) -> Output {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    // Drain both pipes on threads so that a chatty tool cannot block on a full pipe.
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let out_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err.read_to_end(&mut v);
-        v
-    });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{cmd:?} did not finish within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    Output {
-        status,
-        stdout: out_reader.join().unwrap(),
-        stderr: err_reader.join().unwrap(),
-    }
-}
-
-/// Runs a tool that must succeed; returns its stdout.
-#[track_caller]
-fn run_tool(cmd: &mut Command, what: &str) -> String {
-    let out = output_within(cmd, TOOL_TIMEOUT);
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("tool output is not UTF-8")
 }
 
 /// The `-f`/`--set` arguments for `values` (None: the defaults) and `set`.
@@ -289,49 +217,6 @@ fn container<'a>(list: &'a Json, name: &str) -> &'a Json {
         .iter()
         .find(|c| c.get("name").str() == name)
         .unwrap_or_else(|| panic!("no container {name:?} in {list:?}"))
-}
-
-/// JSON text of `v` (the test writes manifests back out for kubernetes-validate).
-fn to_json(v: &Json, out: &mut String) {
-    match v {
-        Json::Null => out.push_str("null"),
-        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Json::Num(n) => out.push_str(n),
-        Json::Str(s) => {
-            out.push('"');
-            for c in s.chars() {
-                match c {
-                    '"' => out.push_str("\\\""),
-                    '\\' => out.push_str("\\\\"),
-                    c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-                    c => out.push(c),
-                }
-            }
-            out.push('"');
-        }
-        Json::Arr(a) => {
-            out.push('[');
-            for (i, e) in a.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                to_json(e, out);
-            }
-            out.push(']');
-        }
-        Json::Obj(m) => {
-            out.push('{');
-            for (i, (k, e)) in m.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                to_json(&Json::Str(k.clone()), out);
-                out.push(':');
-                to_json(e, out);
-            }
-            out.push('}');
-        }
-    }
 }
 
 // ---- lint and schema validation ----------------------------------------------------------
@@ -987,20 +872,6 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String, String)> {
         body.to_string()
     };
     Some((status, head, body))
-}
-
-/// The body of a chunked response.
-fn dechunk(mut rest: &str) -> Option<String> {
-    let mut out = String::new();
-    loop {
-        let (size, tail) = rest.split_once("\r\n")?;
-        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
-        if size == 0 {
-            return Some(out);
-        }
-        out.push_str(tail.get(..size)?);
-        rest = tail.get(size + 2..)?;
-    }
 }
 
 /// Waits until `path` answers 200; returns the answer.
