@@ -31,21 +31,13 @@ PACKAGES=(libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-log libvirt-d
 # The oldest libvirt the test is written against (the version in bookworm-backports).
 MIN_MAJOR=11
 
+# shellcheck source=tests/backports.sh
+. "$(dirname "$0")/backports.sh"
 codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
 suffix=""
 sources_changed=0
 if [ "$codename" = bookworm ]; then
-    if ! grep -rqsE '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-        echo "setup-libvirt: adding bookworm-backports to the apt sources"
-        cat >/etc/apt/sources.list.d/bookworm-backports.sources <<'EOF'
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: bookworm-backports
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOF
-        sources_changed=1
-    fi
+    ensure_bookworm_backports setup-libvirt
     suffix=/bookworm-backports
 fi
 

@@ -34,21 +34,13 @@ fi
 # Packages the guest image is built from (must be known to apt; see build-initramfs.py).
 GUEST_PACKAGES=(linux-image-amd64 busybox-static fio e2fsprogs util-linux)
 
+# shellcheck source=tests/backports.sh
+. "$(dirname "$0")/backports.sh"
 codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
 release_opts=()
 sources_changed=0
 if [ "$codename" = bookworm ]; then
-    if ! grep -rqsE '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-        echo "setup: adding bookworm-backports to the apt sources"
-        cat >/etc/apt/sources.list.d/bookworm-backports.sources <<'EOF'
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: bookworm-backports
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOF
-        sources_changed=1
-    fi
+    ensure_bookworm_backports setup
     release_opts=(-t bookworm-backports)
 fi
 
