@@ -496,26 +496,29 @@ fn fds_where_none_belong() {
     fe.finish();
 }
 
+/// (name, desc, avail, used) as offsets from the region's VMM address; the region is 1 MiB
+/// and the ring has 256 entries (4 KiB of descriptors, 518 B avail, 2054 B used).
+const RINGS_OUTSIDE: [(&str, u64, u64, u64); 4] = [
+    (
+        "rings far outside guest memory",
+        0x1_0000_0000,
+        0x1_0001_0000,
+        0x1_0002_0000,
+    ),
+    (
+        "descriptor table straddling the end",
+        MIB - 16,
+        0x1000,
+        0x2000,
+    ),
+    ("avail ring straddling the end", 0, MIB - 8, 0x2000),
+    ("used ring straddling the end", 0, 0x1000, MIB - 8),
+];
+
 #[test]
 fn ring_outside_guest_memory() {
     let (_dir, mut fe) = start("ringaddr");
-    // (name, desc, avail, used) as offsets from the region's user address; the region is 1 MiB.
-    let cases: [(&str, u64, u64, u64); 3] = [
-        (
-            "rings far outside guest memory",
-            0x1_0000_0000,
-            0x1_0001_0000,
-            0x1_0002_0000,
-        ),
-        (
-            "descriptor table straddling the end",
-            MIB - 16,
-            0x1000,
-            0x2000,
-        ),
-        ("used ring straddling the end", 0, 0x1000, MIB - 8),
-    ];
-    for (i, (name, desc, avail, used)) in cases.iter().enumerate() {
+    for (i, (name, desc, avail, used)) in RINGS_OUTSIDE.iter().enumerate() {
         case(&mut fe, name, 20 + i as u64, |c| {
             let m = memfd(MIB);
             let r = region(0, MIB, 0);
@@ -756,25 +759,7 @@ fn invalid_messages_are_refused_at_the_message() {
         )
     });
 
-    // (name, desc, avail, used) as offsets from the region's VMM address; the region is 1 MiB
-    // and the ring has 256 entries (4 KiB of descriptors, 518 B avail, 2054 B used).
-    let outside: [(&str, u64, u64, u64); 4] = [
-        (
-            "rings far outside guest memory",
-            0x1_0000_0000,
-            0x1_0001_0000,
-            0x1_0002_0000,
-        ),
-        (
-            "descriptor table straddling the end",
-            MIB - 16,
-            0x1000,
-            0x2000,
-        ),
-        ("avail ring straddling the end", 0, MIB - 8, 0x2000),
-        ("used ring straddling the end", 0, 0x1000, MIB - 8),
-    ];
-    for (i, (name, desc, avail, used)) in outside.iter().enumerate() {
+    for (i, (name, desc, avail, used)) in RINGS_OUTSIDE.iter().enumerate() {
         case(&mut fe, name, 3 + i as u64, |c| {
             let m = memfd(MIB);
             let r = region(0, MIB, 0);
