@@ -22,43 +22,19 @@ fn is_io_wq(comm: &str) -> bool {
     comm.starts_with("iou-wrk-")
 }
 
-/// (context switches, CPU clock ticks) summed over the threads of `pids` (io-wq workers only
-/// when `with_io_wq`).
-fn cost(pids: &[u32], with_io_wq: bool) -> (u64, u64) {
-    let mut switches = 0;
-    let mut ticks = 0;
-    for pid in pids {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-            continue;
-        };
-        for task in tasks.filter_map(Result::ok) {
-            let dir = task.path();
-            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
-            let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
-            // utime and stime are fields 14 and 15; the name (field 2) may contain spaces.
-            if let Some((_, rest)) = stat.rsplit_once(')') {
-                let fields: Vec<&str> = rest.split_whitespace().collect();
-                ticks += fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-            }
-            if is_io_wq(comm.trim()) && !with_io_wq {
-                continue;
-            }
-            for line in status.lines() {
-                if let Some(v) = line
-                    .strip_prefix("voluntary_ctxt_switches:")
-                    .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
-                {
-                    switches += v.trim().parse::<u64>().unwrap();
-                }
-            }
-        }
-    }
-    (switches, ticks)
+/// One thread's counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ThreadCost {
+    /// `PID/TID NAME`.
+    name: String,
+    /// Voluntary plus involuntary context switches.
+    switches: u64,
+    /// utime + stime in clock ticks.
+    ticks: u64,
 }
 
-/// Every thread of `pids` with its name and counters, to say which one was woken.
-fn per_thread(pids: &[u32]) -> Vec<(String, String)> {
+/// Every thread of `pids` with its counters.
+fn threads(pids: &[u32]) -> Vec<ThreadCost> {
     let mut out = Vec::new();
     for pid in pids {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -66,23 +42,43 @@ fn per_thread(pids: &[u32]) -> Vec<(String, String)> {
         };
         for task in tasks.filter_map(Result::ok) {
             let dir = task.path();
-            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
-            let switches: Vec<&str> = status
+            let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+            let switches = read("status")
                 .lines()
-                .filter(|l| l.contains("ctxt_switches"))
-                .collect();
-            out.push((
-                format!(
+                .filter_map(|l| {
+                    l.strip_prefix("voluntary_ctxt_switches:")
+                        .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                })
+                .map(|v| v.trim().parse::<u64>().unwrap())
+                .sum();
+            // utime and stime are fields 14 and 15; the name (field 2) may contain spaces.
+            let stat = read("stat");
+            let ticks = stat.rsplit_once(')').map_or(0, |(_, rest)| {
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+            });
+            out.push(ThreadCost {
+                name: format!(
                     "{pid}/{} {}",
                     task.file_name().to_string_lossy(),
-                    comm.trim()
+                    read("comm").trim()
                 ),
-                switches.join(" "),
-            ));
+                switches,
+                ticks,
+            });
         }
     }
     out
+}
+
+/// (context switches, CPU clock ticks) summed over `threads`; io-wq workers' switches only
+/// when `with_io_wq` (their CPU always counts).
+fn cost(threads: &[ThreadCost], with_io_wq: bool) -> (u64, u64) {
+    threads.iter().fold((0, 0), |(switches, ticks), t| {
+        let io_wq = t.name.split(' ').nth(1).is_some_and(is_io_wq);
+        let counted = if io_wq && !with_io_wq { 0 } else { t.switches };
+        (switches + counted, ticks + t.ticks)
+    })
 }
 
 /// Does I/O on `image` with polling at its bound, then checks 10 s of idleness cost nothing.
@@ -101,19 +97,17 @@ fn idle_costs_nothing(image: &std::path::Path, with_io_wq: bool) {
     assert!(pids.len() >= 3, "frontend, spawner and iothread: {pids:?}");
     // Let the last completions' effects settle (the worker's final epoll_wait, logging).
     std::thread::sleep(Duration::from_millis(200));
-    let before = cost(&pids, with_io_wq);
-    let threads_before = per_thread(&pids);
+    let threads_before = threads(&pids);
     std::thread::sleep(IDLE);
-    let after = cost(&pids, with_io_wq);
-    for (task, now) in per_thread(&pids) {
-        let then = threads_before
-            .iter()
-            .find(|(t, _)| *t == task)
-            .map(|(_, c)| c.clone());
-        if then.as_ref() != Some(&now) {
-            println!("changed: {task}: {then:?} -> {now:?}");
+    let threads_after = threads(&pids);
+    for now in &threads_after {
+        let then = threads_before.iter().find(|t| t.name == now.name);
+        if then != Some(now) {
+            println!("changed: {then:?} -> {now:?}");
         }
     }
+    let before = cost(&threads_before, with_io_wq);
+    let after = cost(&threads_after, with_io_wq);
     println!(
         "{} processes idle for {IDLE:?}: {} context switches, {} CPU ticks",
         pids.len(),
