@@ -255,17 +255,22 @@ impl RingCounters {
 
     /// Counts one inline transfer.
     pub fn count_inline(&self) {
-        self.block()
-            .inline_transfers
-            .fetch_add(1, Ordering::Relaxed);
+        bump(&self.block().inline_transfers);
     }
 
     /// Counts one transfer submitted to io_uring.
     pub fn count_queued(&self) {
-        self.block()
-            .queued_transfers
-            .fetch_add(1, Ordering::Relaxed);
+        bump(&self.block().queued_transfers);
     }
+}
+
+/// Adds one to a counter only one thread writes (the ring's iothread): a plain load and store,
+/// no locked read-modify-write on the request path; a reader sees the old or the new value.
+fn bump(counter: &AtomicU64) {
+    counter.store(
+        counter.load(Ordering::Relaxed).wrapping_add(1),
+        Ordering::Relaxed,
+    );
 }
 
 #[repr(C, align(64))]
