@@ -186,6 +186,10 @@ impl WorkerHandle {
             usize::from(worker.disk.queue_size)
                 .saturating_add(usize::from(request::MAX_INDIRECT_DESCRIPTORS)),
         );
+        if let Some(iothread) = worker.status.iothreads.get(index) {
+            // The ring outlives its iothreads: its counters are the statistics' for good.
+            let _ = iothread.ring_counters.set(worker.link.ring_counters());
+        }
         worker.publish_iothread_pid();
         worker.watch(worker.wake.as_raw_fd(), TOKEN_COMMAND)?;
         worker.watch(worker.link.complete_event.as_raw_fd(), TOKEN_COMPLETION)?;
@@ -346,8 +350,6 @@ impl Worker {
 
     fn publish_iothread_pid(&self) {
         if let Some(iothread) = self.status.iothreads.get(self.index) {
-            // The ring outlives its iothreads: set once, kept across replacements.
-            let _ = iothread.ring_counters.set(self.link.ring_counters());
             iothread.pid.store(
                 self.link.pid().unwrap_or(0),
                 std::sync::atomic::Ordering::Relaxed,
