@@ -55,6 +55,14 @@ pub trait SetLimits: Send + Sync {
     fn set_limits(&self, request: &SetThrottle, group_file: Option<File>) -> Result<(), String>;
 }
 
+/// Bringing the counters up to date before they are read (the workers read the iothreads'
+/// completions only when they wake anyway).
+pub trait SettleStatistics: Send + Sync {
+    /// Returns once every worker has read what its iothread completed (or a short timeout
+    /// passed).
+    fn settle(&self);
+}
+
 /// What the admin channel answers from: the shared status and the operations it can run.
 #[derive(Clone)]
 pub struct Services {
@@ -66,6 +74,8 @@ pub struct Services {
     pub lifecycle: Arc<dyn Lifecycle>,
     /// I/O limits.
     pub limits: Arc<dyn SetLimits>,
+    /// Current statistics.
+    pub statistics: Arc<dyn SettleStatistics>,
 }
 
 /// Why the admin socket could not be set up.
@@ -189,7 +199,10 @@ fn answer(
         Some(Request::Status(_)) => {
             Response::Status(device_status(status, services.resize.capacity_bytes()))
         }
-        Some(Request::Stats(_)) => Response::Stats(disk_stats(status)),
+        Some(Request::Stats(_)) => {
+            services.statistics.settle();
+            Response::Stats(disk_stats(status))
+        }
         // Growing the image is touching it, which a drain promises not to do.
         Some(Request::Resize(_)) if status.drained.load(Ordering::Relaxed) => {
             Response::Error("the disk is drained: resume it before resizing".into())
@@ -324,6 +337,12 @@ mod tests {
     /// Limits that are accepted and ignored (the admin tests do not throttle).
     struct NoLimits;
 
+    struct Settled;
+
+    impl SettleStatistics for Settled {
+        fn settle(&self) {}
+    }
+
     impl SetLimits for NoLimits {
         fn set_limits(&self, _request: &SetThrottle, _file: Option<File>) -> Result<(), String> {
             Ok(())
@@ -406,6 +425,7 @@ mod tests {
             resize: Arc::new(FixedSize),
             lifecycle: Arc::clone(&lifecycle) as Arc<dyn Lifecycle>,
             limits: Arc::new(NoLimits),
+            statistics: Arc::new(Settled),
         };
         serve(&path, services).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;

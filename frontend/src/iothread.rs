@@ -8,8 +8,11 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
+    self, ControlError, ControlReply, ControlRequest, QueueSpec, QUEUE_FLAG_CALL,
+    SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
+use blkplane_proto::dirty_log::DirtyLog;
+use blkplane_proto::inflight::InflightRegion;
 use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -207,6 +210,55 @@ impl IothreadLink {
     pub fn set_memory(&mut self, memory: &MemoryTable) -> Result<(), IothreadError> {
         let (regions, fds) = memory.iothread_table();
         self.call(&ControlRequest::SetMemoryTable(regions), &fds)
+    }
+
+    /// Hands the iothread a virtqueue to complete requests of: `spec` says where its rings
+    /// are, `region` is the inflight region its requests are marked in, `call` its call
+    /// eventfd.
+    pub fn start_queue(
+        &self,
+        mut spec: QueueSpec,
+        region: &InflightRegion,
+        call: Option<&std::fs::File>,
+    ) -> Result<(), IothreadError> {
+        spec.inflight_queues = region.num_queues();
+        spec.inflight_size = region.queue_size();
+        spec.inflight_offset = region.mmap_offset();
+        let mut fds = vec![region.file().as_raw_fd()];
+        match call {
+            Some(call) => {
+                spec.flags |= QUEUE_FLAG_CALL;
+                fds.push(call.as_raw_fd());
+            }
+            None => spec.flags &= !QUEUE_FLAG_CALL,
+        }
+        self.call(&ControlRequest::StartQueue(spec), &fds)
+    }
+
+    /// Tells the iothread to forget a queue (none of its requests is in flight).
+    pub fn stop_queue(&self, queue: u16) -> Result<(), IothreadError> {
+        self.call(&ControlRequest::StopQueue { queue }, &[])
+    }
+
+    /// Replaces a started queue's call eventfd.
+    pub fn set_call(&self, queue: u16, call: Option<&std::fs::File>) -> Result<(), IothreadError> {
+        let fds: Vec<RawFd> = call.iter().map(|f| f.as_raw_fd()).collect();
+        let request = ControlRequest::SetCall {
+            queue,
+            has_call: call.is_some(),
+        };
+        self.call(&request, &fds)
+    }
+
+    /// Starts (`Some`) or stops marking a migration's dirty log in the iothread.
+    pub fn set_dirty_log(&self, log: Option<&DirtyLog>) -> Result<(), IothreadError> {
+        match log {
+            Some(log) => self.call(
+                &ControlRequest::SetDirtyLog(Some(log.spec())),
+                &[log.file().as_raw_fd()],
+            ),
+            None => self.call(&ControlRequest::SetDirtyLog(None), &[]),
+        }
     }
 
     /// Kills the process (if any) and waits for it, so that none of its I/O is still

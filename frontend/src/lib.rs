@@ -17,9 +17,7 @@
 pub mod admin;
 pub mod backend_channel;
 pub mod config;
-pub mod dirty_log;
 pub mod image;
-pub mod inflight;
 pub mod iothread;
 pub mod lifecycle;
 pub mod memory;

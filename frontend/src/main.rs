@@ -24,7 +24,7 @@ use blkplane_frontend::spawner::Spawner;
 use blkplane_frontend::stats::DeviceStatus;
 use blkplane_frontend::throttle::ThrottleControl;
 use blkplane_frontend::vhost_user::BlkBackend;
-use blkplane_frontend::worker::WorkerHandle;
+use blkplane_frontend::worker::{WorkerHandle, WorkerStatistics};
 use blkplane_frontend::{admin, config, session, socket_lock};
 
 /// Serve a disk image to a VMM (QEMU, cloud-hypervisor, libblkio) as a vhost-user-blk device.
@@ -198,6 +198,7 @@ fn run(args: Args) -> Result<(), String> {
     let status = Arc::new(DeviceStatus::new(args.num_queues, iothreads));
     let backend_channel = Arc::new(BackendChannel::default());
     let mut workers = Vec::with_capacity(usize::from(iothreads));
+    let mut statistics = Vec::with_capacity(usize::from(iothreads));
     for index in 0..iothreads {
         let queue_ids: Vec<u16> = (index..args.num_queues)
             .step_by(usize::from(iothreads))
@@ -225,6 +226,11 @@ fn run(args: Args) -> Result<(), String> {
             queue_ids,
         )
         .map_err(|e| format!("starting iothread {index}: {e}"))?;
+        statistics.push(
+            worker
+                .statistics_handle()
+                .map_err(|e| format!("worker {index}: {e}"))?,
+        );
         workers.push(worker);
     }
     let backend = Arc::new(Mutex::new(BlkBackend::new(
@@ -256,6 +262,7 @@ fn run(args: Args) -> Result<(), String> {
             resize: Arc::new(resizer),
             lifecycle: quiescer,
             limits: Arc::new(ThrottleControl::new(Arc::clone(&backend))),
+            statistics: Arc::new(WorkerStatistics(statistics)),
         };
         admin::serve(path, services).map_err(|e| e.to_string())?;
     }

@@ -248,6 +248,7 @@ impl MemoryTable {
                     MemoryRegionSpec {
                         size: r.desc.size,
                         mmap_offset: r.desc.mmap_offset,
+                        guest_addr: r.desc.guest_base,
                     },
                     r.file.as_raw_fd(),
                 )
@@ -270,6 +271,17 @@ impl MemoryTable {
     pub fn guest_address(&self, index: u32, offset: u64) -> Option<u64> {
         let region = self.regions.get(usize::try_from(index).ok()?)?;
         (offset < region.desc.size).then(|| region.desc.guest_base.checked_add(offset))?
+    }
+
+    /// The region index and offset of the guest byte at `addr` (as a slot names a status byte).
+    pub fn locate(&self, addr: GuestAddress) -> Option<(u32, u64)> {
+        let mut found = None;
+        self.for_each_piece(addr.0, 1, |region, offset, _| {
+            found = Some((region, offset));
+            Ok::<(), ()>(())
+        })
+        .ok()?;
+        found
     }
 
     /// Splits the guest range `[addr, addr + len)` into pieces that each lie inside one region

@@ -261,7 +261,7 @@ impl Request {
             },
             image_offset,
             segment_count: self.segments,
-            reserved: 0,
+            ..SlotHeader::default()
         };
         Some((opcode, header))
     }

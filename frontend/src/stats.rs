@@ -108,6 +108,8 @@ impl QueueCounters {
             Opcode::Flush => (&self.flush_ops, None),
             Opcode::Discard => (&self.discard_ops, Some(&self.discard_bytes)),
             Opcode::WriteZeroes => (&self.write_zeroes_ops, Some(&self.write_zeroes_bytes)),
+            // The worker's own answers are counted when decided (`answered`, `rejected`).
+            Opcode::Answer => return,
         };
         bump(ops, 1);
         if let Some(total) = total {

@@ -290,7 +290,7 @@ pub fn direction(opcode: Opcode) -> Option<Direction> {
     match opcode {
         Opcode::Read => Some(Direction::Read),
         Opcode::Write | Opcode::WriteZeroes => Some(Direction::Write),
-        Opcode::Flush | Opcode::Discard => None,
+        Opcode::Flush | Opcode::Discard | Opcode::Answer => None,
     }
 }
 

@@ -29,9 +29,9 @@ use vm_memory::GuestAddress;
 
 use crate::backend_channel::BackendChannel;
 use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
-use crate::dirty_log::DirtyLog;
+use blkplane_proto::dirty_log::DirtyLog;
 use crate::image::Image;
-use crate::inflight::{self, InflightRegion};
+use blkplane_proto::inflight::{self, InflightRegion};
 use crate::lifecycle;
 use crate::memory::{MemoryTable, RegionDescriptor};
 use crate::stats::DeviceStatus;
@@ -238,7 +238,10 @@ impl BlkBackend {
         queue.set_next_used(used_idx.0);
         let (inflight, recovered) = match inflight_region {
             Some(region) => track_inflight(&region, index, &mut queue, mem, used_idx.0)?,
-            None => (None, inflight::Recovered::default()),
+            None => (
+                private_inflight(index, queue.size(), used_idx.0)?,
+                inflight::Recovered::default(),
+            ),
         };
         let kick = vring
             .kick
@@ -422,7 +425,7 @@ fn track_inflight(
     queue: &mut Queue,
     mem: &vm_memory::GuestMemoryMmap,
     used_idx: u16,
-) -> VhostResult<(Option<inflight::QueueInflight>, inflight::Recovered)> {
+) -> VhostResult<(inflight::QueueInflight, inflight::Recovered)> {
     let refuse = |e: inflight::InflightError| invalid(&format!("queue {index}: inflight: {e}"));
     let mut tracker = region.queue(index).map_err(refuse)?;
     let avail_idx = queue
@@ -434,15 +437,31 @@ fn track_inflight(
     if let Some(next_avail) = recovered.next_avail {
         queue.set_next_avail(next_avail);
     }
-    if !recovered.resubmit.is_empty() || recovered.completed_batch > 0 {
+    if !recovered.resubmit.is_empty() || recovered.repaired_batch > 0 {
         info!(
             "queue {index}: reconnected at used index {used_idx}: {} requests were in flight \
-             (resubmitted first), {} were used but not yet cleared",
+             (resubmitted first; {} of them in a batch the crash left half-published)",
             recovered.resubmit.len(),
-            recovered.completed_batch
+            recovered.repaired_batch
         );
     }
-    Ok((Some(tracker), recovered))
+    Ok((tracker, recovered))
+}
+
+/// An inflight region of the frontend's own for a ring whose VMM set none (it did not
+/// negotiate INFLIGHT_SHMFD): it does not survive the frontend, but it tells the successor of
+/// a dead iothread what that iothread had put on the used ring, as the VMM's region would.
+fn private_inflight(index: u16, size: u16, used_idx: u16) -> VhostResult<inflight::QueueInflight> {
+    let refuse = |e: inflight::InflightError| invalid(&format!("queue {index}: inflight: {e}"));
+    let limits = inflight::Limits {
+        max_queues: 1,
+        max_queue_size: size,
+    };
+    let (region, _file) = InflightRegion::create(1, size, limits).map_err(refuse)?;
+    let mut tracker = Arc::new(region).queue(0).map_err(refuse)?;
+    // A fresh region: initialized at the used index, nothing to resubmit.
+    tracker.recover(size, used_idx, used_idx).map_err(refuse)?;
+    Ok(tracker)
 }
 
 /// Checks, when SET_VRING_ADDR arrives, that the descriptor table, avail ring and used ring

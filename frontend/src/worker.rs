@@ -1,15 +1,20 @@
 //! The frontend's queue handling: one worker thread per iothread, owning the virtqueues
 //! assigned to that iothread.
 //!
-//! A worker sleeps in epoll on its queues' kick eventfds, its iothread's completion eventfd,
-//! its command eventfd and its iothread's control socket (which hangs up when the iothread
-//! dies). On a kick it pops **every** available chain, parses and validates each into a ring
-//! slot, and publishes the whole batch with one index store — waking the iothread only if it
-//! sleeps. Completions are reaped as a batch, their status bytes and used entries written, and
-//! each queue's call eventfd signalled at most once per batch (honouring EVENT_IDX).
+//! A worker sleeps in epoll on its queues' kick eventfds, its command eventfd and its
+//! iothread's control socket (which hangs up when the iothread dies). On a kick it pops
+//! **every** available chain, parses and validates each into a ring slot, and publishes the
+//! whole batch with one index store — waking the iothread only if it sleeps.
 //!
-//! The worker is the only writer of its queues' used rings, so no lock is taken on the I/O
-//! path. The vhost-user thread talks to it through [`Command`]s and waits for the reply.
+//! The iothread completes what it executes — status byte, used ring, inflight region, dirty
+//! log, interrupt — and is the only writer of the used rings: what the worker answers itself (a
+//! rejected request, GET_ID) goes to it as an [`Opcode::Answer`] slot. Its completions tell the
+//! worker which slots are free and feed the statistics; the worker reads them whenever it wakes
+//! anyway, before it looks at the avail rings, and is woken for them only while it waits for
+//! requests to finish (a ring stop, a drain, a memory-table change, statistics asked for).
+//!
+//! No lock is taken on the I/O path. The vhost-user thread talks to a worker through
+//! [`Command`]s and waits for the reply.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -19,19 +24,22 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use blkplane_proto::ring::{Completion, Opcode};
+use blkplane_proto::clock::monotonic_ns;
+use blkplane_proto::control::{QueueSpec, QUEUE_FLAG_EVENT_IDX};
+use blkplane_proto::ring::{Completion, Opcode, SlotHeader, NO_STATUS};
 use log::{error, info, warn};
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::DiskConfig;
-use crate::dirty_log::DirtyLog;
-use crate::inflight::QueueInflight;
-use crate::iothread::IothreadLink;
+use crate::iothread::{IothreadError, IothreadLink};
+use blkplane_proto::control::ControlError;
+use blkplane_proto::dirty_log::DirtyLog;
+use blkplane_proto::inflight::QueueInflight;
 use crate::memory::MemoryTable;
 use crate::poll::AdaptivePoll;
 use crate::request::{self, ChainError, Rejected, RequestKind};
@@ -57,8 +65,9 @@ pub struct VringStart {
     pub call: Option<File>,
     /// The error eventfd, signalled when the ring is found broken.
     pub err: Option<File>,
-    /// This ring's part of the inflight region (INFLIGHT_SHMFD), when the VMM set one.
-    pub inflight: Option<QueueInflight>,
+    /// This ring's part of the inflight region: the VMM's (INFLIGHT_SHMFD), or one of the
+    /// frontend's own, which lets an iothread's successor tell what it had completed.
+    pub inflight: QueueInflight,
     /// Heads a crashed predecessor had in flight, oldest first: served before anything new
     /// from the avail ring (see [`QueueInflight::recover`]).
     pub resubmit: Vec<u16>,
@@ -124,12 +133,17 @@ pub enum Command {
         /// Acknowledgement.
         reply: Sender<()>,
     },
-    /// Start (`Some`) or stop (`None`) marking the guest pages this worker writes in a
-    /// migration's dirty log. Requests in flight are marked when they complete.
+    /// Start (`Some`) or stop (`None`) marking the guest pages this worker and its iothread
+    /// write in a migration's dirty log. Requests in flight are marked when they complete.
     SetDirtyLog {
         /// The log, while the VMM has VHOST_F_LOG_ALL set.
         log: Option<Arc<DirtyLog>>,
         /// Acknowledgement: every write completed from now on is marked.
+        reply: Sender<()>,
+    },
+    /// Read the completions the iothread published, so that the statistics are current.
+    SettleStatistics {
+        /// Acknowledgement.
         reply: Sender<()>,
     },
 }
@@ -219,6 +233,14 @@ impl WorkerHandle {
         Ok(answer)
     }
 
+    /// A handle that reaches this worker from another thread (the admin channel's).
+    pub fn statistics_handle(&self) -> io::Result<StatisticsHandle> {
+        Ok(StatisticsHandle {
+            commands: self.commands.clone(),
+            wake: self.wake.try_clone()?,
+        })
+    }
+
     /// Sends a command built around a fresh reply channel and waits for the reply.
     pub fn call<R>(&self, make: impl FnOnce(Sender<R>) -> Command) -> Result<R, WorkerGone> {
         let (reply, answer) = mpsc::channel();
@@ -228,20 +250,56 @@ impl WorkerHandle {
     }
 }
 
+/// How the admin thread makes a worker read its completions before it reads the statistics:
+/// completions do not wake a worker, so without this the counters of a disk that went idle
+/// would lag behind its last requests.
+pub struct StatisticsHandle {
+    commands: Sender<Command>,
+    wake: EventFd,
+}
+
+/// The statistics handles of every worker of the disk.
+pub struct WorkerStatistics(pub Vec<StatisticsHandle>);
+
+/// How long the admin thread waits for each worker to read its completions.
+const SETTLE_TIMEOUT: Duration = Duration::from_millis(200);
+
+impl crate::admin::SettleStatistics for WorkerStatistics {
+    fn settle(&self) {
+        let answers: Vec<Receiver<()>> = self
+            .0
+            .iter()
+            .filter_map(|worker| {
+                let (reply, answer) = mpsc::channel();
+                worker
+                    .commands
+                    .send(Command::SettleStatistics { reply })
+                    .ok()?;
+                worker.wake.write(1).ok()?;
+                Some(answer)
+            })
+            .collect();
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        for answer in answers {
+            // A worker busy with a long command answers late: its counters are read as they
+            // are.
+            let _ = answer.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct SlotState {
     in_flight: bool,
     local_queue: u16,
-    head: u16,
-    status: GuestAddress,
-    used_len: u32,
     opcode: Opcode,
     bytes: u64,
-    /// Segments in the ring slot (a read's are marked in the dirty log on completion).
-    segments: u32,
     /// Waiting for the I/O limits: popped and parsed, not yet handed to the iothread.
     throttled: bool,
-    popped: Instant,
+    /// The worker's own answer (counted when it was decided, not as I/O).
+    answer: bool,
+    /// When the request was taken off the avail ring ([`monotonic_ns`]).
+    popped_ns: u64,
 }
 
 impl Default for SlotState {
@@ -249,14 +307,11 @@ impl Default for SlotState {
         Self {
             in_flight: false,
             local_queue: 0,
-            head: 0,
-            status: GuestAddress(0),
-            used_len: 0,
             opcode: Opcode::Flush,
             bytes: 0,
-            segments: 0,
             throttled: false,
-            popped: Instant::now(),
+            answer: false,
+            popped_ns: 0,
         }
     }
 }
@@ -267,10 +322,12 @@ struct RunningQueue {
     call: Option<File>,
     err: Option<File>,
     in_flight: u32,
-    notify: bool,
     broken: bool,
-    /// Inflight tracking: marked when a head is popped, cleared when it is used.
-    inflight: Option<QueueInflight>,
+    /// Inflight tracking: marked here when a head is popped, cleared by the iothread when it
+    /// is used.
+    inflight: QueueInflight,
+    /// The used index the iothread went on from when it was handed the ring.
+    next_used: u16,
     /// Heads to resubmit before popping anything new (empty once done).
     resubmit: Vec<u16>,
 }
@@ -294,13 +351,14 @@ struct Worker {
     commands: Receiver<Command>,
     wake: EventFd,
     rejections: u32,
-    /// How long to watch for completions before sleeping while requests are in flight.
+    /// How long to watch the avail rings before sleeping while requests are in flight.
     poll: AdaptivePoll,
     /// Drained ([`Command::Pause`]): no request is popped until [`Command::Resume`]. Only
     /// this thread reads it, once per batch.
     paused: bool,
-    /// A migration's dirty log while the VMM has logging on: every guest page this worker
-    /// writes is marked in it before the used entry is published.
+    /// A migration's dirty log while the VMM has logging on: the guest pages this worker
+    /// writes (GET_ID strings, the used ring's flags and avail_event) are marked in it; the
+    /// iothread has it too, for what it writes.
     dirty_log: Option<Arc<DirtyLog>>,
     /// The I/O limits and the requests waiting for them.
     throttler: Throttler,
@@ -385,13 +443,14 @@ impl Worker {
     fn run(mut self) {
         let mut events = vec![EpollEvent::default(); 64];
         loop {
-            // With requests in flight the next thing to happen is usually a completion: when
-            // the last waits were short, watch the completion queue (no system call) before
-            // sleeping, and so save the sleep and the iothread's wake-up write.
+            // With requests in flight the guest is likely to queue more soon: when the last
+            // waits were short, watch the avail rings (guest memory, no system call) before
+            // sleeping, and so save the sleep and the wake-up.
             let waiting = (self.in_flight > 0 && !self.disk.poll_max.is_zero()).then(Instant::now);
-            let caught = waiting.is_some_and(|start| self.poll_completions(start));
-            let may_sleep = !caught && self.link.completions.prepare_to_sleep();
-            let timeout = if may_sleep { -1 } else { 0 };
+            let caught = waiting.is_some_and(|start| self.poll_avail(start));
+            // The worker is not woken for completions: it reads them below, whenever it wakes.
+            self.link.completions.release();
+            let timeout = if caught { 0 } else { -1 };
             let ready = match self.epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
@@ -401,11 +460,12 @@ impl Worker {
                     0
                 }
             };
-            self.link.completions.woke_up();
             if let Some(start) = waiting {
                 self.poll.record(start.elapsed());
             }
-            let mut iothread_died = false;
+            // Completions first: a head the driver made available again after its use is
+            // free only once its completion is read.
+            let mut iothread_died = self.reap_completions().is_err();
             for event in events.iter().take(ready) {
                 match event.data() {
                     TOKEN_COMMAND => {
@@ -426,29 +486,81 @@ impl Worker {
                     }
                 }
             }
+            if caught {
+                for local in 0..self.queues.len() {
+                    self.process_queue(local);
+                }
+            }
             self.flush_submissions();
-            if iothread_died || self.reap_completions().is_err() {
+            if iothread_died {
                 self.restart_iothread();
             }
-            self.notify_guests();
         }
     }
 
-    /// Spins until a completion is published or the poll window since `start` has passed;
-    /// returns whether one was.
-    fn poll_completions(&self, start: Instant) -> bool {
+    /// Spins until an avail ring has a new entry or the poll window since `start` has passed;
+    /// returns whether one had.
+    fn poll_avail(&self, start: Instant) -> bool {
         let window = self.poll.window();
-        if window.is_zero() {
+        if window.is_zero() || self.paused {
             return false;
         }
+        let mem = self.memory.guest_memory();
         loop {
-            if self.link.completions.has_published() {
+            let arrived = self.queues.iter().flatten().any(|rq| {
+                !rq.broken
+                    && rq
+                        .queue
+                        .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+                        .is_ok_and(|idx| idx.0 != rq.queue.next_avail())
+            });
+            if arrived {
                 return true;
             }
             if start.elapsed() >= window {
                 return false;
             }
             std::hint::spin_loop();
+        }
+    }
+
+    /// The ring as the iothread is handed it.
+    fn queue_spec(local: usize, rq: &RunningQueue) -> QueueSpec {
+        QueueSpec {
+            // local < the worker's queue count, a u16.
+            queue: u16::try_from(local).unwrap_or(u16::MAX),
+            size: rq.queue.size(),
+            flags: if rq.queue.event_idx_enabled() {
+                QUEUE_FLAG_EVENT_IDX
+            } else {
+                0
+            },
+            avail_addr: rq.queue.avail_ring(),
+            used_addr: rq.queue.used_ring(),
+            next_used: rq.next_used,
+            inflight_queue: rq.inflight.queue_index(),
+            ..QueueSpec::default()
+        }
+    }
+
+    /// Hands a running ring to the iothread. A refusal (the ring does not lie in the memory
+    /// table the iothread has) breaks the ring; an iothread that is gone is replaced by the
+    /// event loop, which hands it every running ring.
+    fn start_on_iothread(&mut self, local: usize) {
+        let Some(Some(rq)) = self.queues.get(local) else {
+            return;
+        };
+        let spec = Self::queue_spec(local, rq);
+        match self
+            .link
+            .start_queue(spec, rq.inflight.region(), rq.call.as_ref())
+        {
+            Ok(()) => {}
+            Err(IothreadError::Control {
+                source: ControlError::Refused(e),
+                ..
+            }) => self.break_queue(local, &format!("the iothread refused the ring: {e}")),
+            Err(e) => warn!("worker {}: handing queue {local} over: {e}", self.index),
         }
     }
 
@@ -484,6 +596,7 @@ impl Worker {
                             self.index
                         );
                     }
+                    let next_used = ring.next_used();
                     if let Some(slot) = self.queues.get_mut(local) {
                         *slot = Some(RunningQueue {
                             queue: ring,
@@ -491,18 +604,18 @@ impl Worker {
                             call,
                             err,
                             in_flight: 0,
-                            notify: false,
                             broken: false,
                             inflight,
+                            next_used,
                             resubmit,
                         });
                     }
                     self.set_queue_flags(local, true, false);
+                    self.start_on_iothread(local);
                     // The driver may have queued requests before the ring started; a
                     // predecessor's requests in flight are resubmitted first.
                     self.process_queue(local);
                     self.flush_submissions();
-                    self.notify_guests();
                 }
                 let _ = reply.send(());
             }
@@ -511,9 +624,15 @@ impl Worker {
                 let _ = reply.send(next_avail);
             }
             Command::SetCall { queue, call, reply } => {
-                if let Some(Some(rq)) = self.local_index(queue).and_then(|l| self.queues.get_mut(l))
-                {
-                    rq.call = call;
+                if let Some(local) = self.local_index(queue) {
+                    if let Some(Some(rq)) = self.queues.get_mut(local) {
+                        // Kept for the iothread's successors.
+                        rq.call = call;
+                        let local16 = u16::try_from(local).unwrap_or(u16::MAX);
+                        if let Err(e) = self.link.set_call(local16, rq.call.as_ref()) {
+                            warn!("worker {}: new call eventfd of queue {queue}: {e}", self.index);
+                        }
+                    }
                 }
                 let _ = reply.send(());
             }
@@ -538,7 +657,18 @@ impl Worker {
                 let _ = reply.send(());
             }
             Command::SetDirtyLog { log, reply } => {
+                if let Err(e) = self.link.set_dirty_log(log.as_deref()) {
+                    // A dead iothread's successor gets the log when it starts; one that
+                    // refuses it cannot mark what it writes, which the VMM must hear of.
+                    error!("worker {}: handing the dirty log over: {e}", self.index);
+                }
                 self.dirty_log = log;
+                let _ = reply.send(());
+            }
+            Command::SettleStatistics { reply } => {
+                if self.reap_completions().is_err() {
+                    self.restart_iothread();
+                }
                 let _ = reply.send(());
             }
             Command::Resume { reply } => {
@@ -550,7 +680,6 @@ impl Worker {
                         self.process_queue(local);
                     }
                     self.flush_submissions();
-                    self.notify_guests();
                 }
                 let _ = reply.send(());
             }
@@ -572,6 +701,10 @@ impl Worker {
         let rq = self.queues.get_mut(local)?.take()?;
         self.unwatch(rq.kick.as_raw_fd());
         self.set_queue_flags(local, false, false);
+        if let Err(e) = self.link.stop_queue(u16::try_from(local).unwrap_or(u16::MAX)) {
+            // A dead iothread's successor is never handed a stopped ring.
+            warn!("worker {}: stopping queue {local} on the iothread: {e}", self.index);
+        }
         Some(rq.queue.next_avail())
     }
 
@@ -614,7 +747,6 @@ impl Worker {
             if died || self.reap_completions().is_err() {
                 self.restart_iothread();
             }
-            self.notify_guests();
         }
     }
 
@@ -711,7 +843,8 @@ impl Worker {
             return self.break_queue(local, "avail ring names a head outside the table");
         }
         // Checked before anything completes the head: completing it would return the chain
-        // that is still in flight.
+        // that is still in flight. (The iothread publishes a completion before the used entry
+        // that lets the driver reuse the head, and completions were read before this pop.)
         let slot = u32::try_from(local)
             .ok()
             .and_then(|local| local.checked_mul(u32::from(self.disk.queue_size)))
@@ -720,15 +853,13 @@ impl Worker {
         let Some(slot) = slot else {
             return self.break_queue(local, "driver made an in-flight head available again");
         };
-        // From here on every path ends in add_used (at once or after the iothread); until
-        // then a crash leaves the head marked and the next process resubmits it.
-        if let Some(Some(RunningQueue {
-            inflight: Some(tracker),
-            ..
-        })) = self.queues.get_mut(local)
-        {
-            tracker.mark(head);
+        // From here on every path ends in a slot for the iothread, which puts the head on the
+        // used ring; until then a crash leaves the head marked and the next process
+        // resubmits it.
+        if let Some(Some(rq)) = self.queues.get_mut(local) {
+            rq.inflight.mark(head);
         }
+        let popped_ns = monotonic_ns();
         match request::collect_chain(mem, desc_table, size, head, &mut self.scratch) {
             Ok(()) => {}
             Err(ChainError::HeadOutOfRange(_)) => {
@@ -736,7 +867,7 @@ impl Worker {
             }
             Err(e) => {
                 self.note_rejection(local, &e.to_string(), false);
-                return self.complete_now(local, head, None, 0, mem);
+                return self.answer(local, slot, head, None, 0, memory);
             }
         }
         let mut sink = request::SlotSink::new(&self.link.slots, slot);
@@ -747,22 +878,23 @@ impl Worker {
                 self.note_rejection(local, &error.to_string(), status.is_some());
                 let used = u32::from(status.is_some());
                 let status = status.map(|addr| (addr, error.status()));
-                return self.complete_now(local, head, status, used, mem);
+                return self.answer(local, slot, head, status, used, memory);
             }
         };
-        let Some((opcode, header)) = request.slot_header(self.disk.writeback()) else {
-            // GET_ID and reads or writes of no data are answered here, without the iothread.
+        let Some((opcode, mut header)) = request.slot_header(self.disk.writeback()) else {
+            // GET_ID and reads or writes of no data are answered here, without I/O.
             if request.kind != RequestKind::GetId {
                 if let Some(counters) = self.counters(local) {
                     counters.answered(true);
                 }
                 let ok = Some((request.status, request::STATUS_OK));
-                return self.complete_now(local, head, ok, 1, mem);
+                return self.answer(local, slot, head, ok, 1, memory);
             }
             let status = match request::write_stream(mem, &self.scratch, &self.disk.serial) {
                 Ok(()) => request::STATUS_OK,
                 Err(_) => request::STATUS_IOERR,
             };
+            // Marked after the write; the iothread marks the status byte and the used ring.
             if let Some(log) = &self.dirty_log {
                 for d in self.scratch.iter().filter(|d| d.is_write_only()) {
                     log.mark(d.addr().0, u64::from(d.len()));
@@ -772,8 +904,15 @@ impl Worker {
             if let Some(counters) = self.counters(local) {
                 counters.answered(u32::from(status) == VIRTIO_BLK_S_OK);
             }
-            return self.complete_now(local, head, Some((request.status, status)), used, mem);
+            return self.answer(local, slot, head, Some((request.status, status)), used, memory);
         };
+        // The parser checked that the status byte lies in guest memory.
+        let (status_region, status_offset) = memory.locate(request.status).unwrap_or((NO_STATUS, 0));
+        header.queue = u16::try_from(local).unwrap_or(u16::MAX);
+        header.head = head;
+        header.status_region = status_region;
+        header.status_offset = status_offset;
+        header.used_len = request.used_len();
         // Reads and writes within the I/O limits go now; the rest wait, slot filled, until
         // the throttle timer lets them go (a test of `None` when there are no limits).
         let throttled = self.throttler.is_active()
@@ -787,26 +926,30 @@ impl Worker {
             }
         });
         if let Err(e) = pushed {
-            // Cannot happen while every slot has a queue entry reserved; fail the request
-            // rather than lose it. (A throttled one is only queued once its header is set.)
+            // Cannot happen while every slot has a queue entry reserved.
             error!("worker {}: cannot submit slot {slot}: {e}", self.index);
-            let failed = Some((request.status, request::STATUS_IOERR));
-            return self.complete_now(local, head, failed, 1, mem);
+            return self.break_queue(local, "its request could not be submitted");
         }
-        if let Some(state) = self.slots.get_mut(slot as usize) {
-            *state = SlotState {
+        self.track(
+            slot,
+            SlotState {
                 in_flight: true,
                 // local < num_queues, a u16.
                 local_queue: u16::try_from(local).unwrap_or(u16::MAX),
-                head,
-                status: request.status,
-                used_len: request.used_len(),
                 opcode,
                 bytes: request.bytes,
-                segments: request.segments,
                 throttled,
-                popped: Instant::now(),
-            };
+                answer: false,
+                popped_ns,
+            },
+        );
+    }
+
+    /// Records a slot handed to the iothread (or waiting for the limits) as in flight.
+    fn track(&mut self, slot: u32, state: SlotState) {
+        let local = usize::from(state.local_queue);
+        if let Some(entry) = self.slots.get_mut(slot as usize) {
+            *entry = state;
         }
         if let Some(counters) = self.counters(local) {
             counters.submitted();
@@ -831,41 +974,52 @@ impl Worker {
         }
     }
 
-    /// Completes a chain without the iothread: writes its status (if any) and used entry.
-    fn complete_now(
+    /// Completes a chain without I/O: hands the iothread an answer slot with the status to
+    /// write (if the chain has a status byte) and the used length, so the iothread stays the
+    /// only writer of the used ring.
+    fn answer(
         &mut self,
         local: usize,
+        slot: u32,
         head: u16,
         status: Option<(GuestAddress, u8)>,
         used_len: u32,
-        mem: &GuestMemoryMmap,
+        memory: &MemoryTable,
     ) {
-        if let Some((addr, value)) = status {
-            // The address was checked to be in guest memory by the parser.
-            let _ = mem.write_obj(value, addr);
-            if let Some(log) = &self.dirty_log {
-                log.mark(addr.0, 1);
-            }
-        }
-        let Some(Some(rq)) = self.queues.get_mut(local) else {
-            return;
+        let located = status.and_then(|(addr, value)| Some((memory.locate(addr)?, value)));
+        let ((status_region, status_offset), value) =
+            located.unwrap_or(((NO_STATUS, 0), request::STATUS_IOERR));
+        let header = SlotHeader {
+            opcode: Opcode::Answer as u32,
+            queue: u16::try_from(local).unwrap_or(u16::MAX),
+            head,
+            status_region,
+            status_offset,
+            used_len,
+            answer: u32::from(value),
+            ..SlotHeader::default()
         };
-        if let Some(tracker) = &rq.inflight {
-            tracker.before_used(head);
+        let pushed = self
+            .link
+            .slots
+            .set_header(slot, header)
+            .and_then(|()| self.link.submissions.push(slot));
+        if let Err(e) = pushed {
+            error!("worker {}: cannot submit answer slot {slot}: {e}", self.index);
+            return self.break_queue(local, "its answer could not be submitted");
         }
-        let added = rq.queue.add_used(mem, head, used_len);
-        // Marked before the interrupt: the guest can only act on the entry after it.
-        log_used_ring(self.dirty_log.as_deref(), &rq.queue);
-        match added {
-            Ok(()) => {
-                rq.notify = true;
-                // After the used index store (add_used's Release store): see inflight.rs.
-                if let Some(tracker) = &rq.inflight {
-                    tracker.after_used(head, rq.queue.next_used());
-                }
-            }
-            Err(e) => self.break_queue(local, &e.to_string()),
-        }
+        self.track(
+            slot,
+            SlotState {
+                in_flight: true,
+                local_queue: u16::try_from(local).unwrap_or(u16::MAX),
+                opcode: Opcode::Answer,
+                bytes: 0,
+                throttled: false,
+                answer: true,
+                popped_ns: 0,
+            },
+        );
     }
 
     /// Marks a ring broken (the guest violated the ring protocol): it is no longer served,
@@ -901,16 +1055,14 @@ impl Worker {
         }
     }
 
-    /// Completes every request the iothread has finished. An error means the iothread broke
+    /// Reads every completion the iothread has published. An error means the iothread broke
     /// the ring protocol and must be replaced.
     fn reap_completions(&mut self) -> Result<(), ()> {
-        let memory = Arc::clone(&self.memory);
-        let mem = memory.guest_memory();
         let mut result = Ok(());
         loop {
             match self.link.completions.pop() {
                 Ok(Some(completion)) => {
-                    if let Err(why) = self.finish(completion, mem) {
+                    if let Err(why) = self.finish(completion) {
                         error!(
                             "worker {}: iothread sent a bad completion: {why}",
                             self.index
@@ -931,43 +1083,30 @@ impl Worker {
         result
     }
 
-    fn finish(
-        &mut self,
-        completion: Completion,
-        mem: &GuestMemoryMmap,
-    ) -> Result<(), &'static str> {
+    /// A slot the iothread completed (its used entry is written): free it and count it.
+    fn finish(&mut self, completion: Completion) -> Result<(), &'static str> {
         let state = self
             .slots
             .get_mut(completion.slot as usize)
-            .filter(|s| s.in_flight)
+            .filter(|s| s.in_flight && !s.throttled)
             .ok_or("slot not in flight")?;
         state.in_flight = false;
         let state = *state;
         // This slot was in flight, so the count is at least 1.
         self.in_flight = self.in_flight.saturating_sub(1);
-        let status = match completion.status {
-            VIRTIO_BLK_S_OK => request::STATUS_OK,
-            VIRTIO_BLK_S_UNSUPP => request::STATUS_UNSUPP,
-            _ => request::STATUS_IOERR,
-        };
-        let used = if u32::from(status) == VIRTIO_BLK_S_OK {
-            state.used_len
-        } else {
-            1
-        };
-        if state.opcode == Opcode::Read {
-            // Even a failed read may have written part of its buffers.
-            self.log_read_data(completion.slot, state.segments);
-        }
         let local = usize::from(state.local_queue);
         if let Some(Some(rq)) = self.queues.get_mut(local) {
             rq.in_flight = rq.in_flight.saturating_sub(1);
         }
-        if let Some(counters) = self.counters(local) {
-            let ok = u32::from(status) == VIRTIO_BLK_S_OK;
-            counters.completed(state.opcode, state.bytes, ok, state.popped.elapsed());
+        if state.answer {
+            return Ok(());
         }
-        self.complete_now(local, state.head, Some((state.status, status)), used, mem);
+        if let Some(counters) = self.counters(local) {
+            let ok = completion.status == VIRTIO_BLK_S_OK;
+            let latency =
+                Duration::from_nanos(completion.completed_ns.saturating_sub(state.popped_ns));
+            counters.completed(state.opcode, state.bytes, ok, latency);
+        }
         Ok(())
     }
 
@@ -1012,47 +1151,11 @@ impl Worker {
         }
     }
 
-    /// Marks the guest pages a completed read wrote (its slot's segments: region index and
-    /// offset, as the parser wrote them) in the dirty log, when logging is on.
-    fn log_read_data(&self, slot: u32, segments: u32) {
-        let Some(log) = &self.dirty_log else {
-            return;
-        };
-        for index in 0..segments {
-            let Ok(segment) = self.link.slots.segment(slot, index) else {
-                break;
-            };
-            match self.memory.guest_address(segment.aux, segment.offset) {
-                Some(addr) => {
-                    log.mark(addr, u64::from(segment.len));
-                }
-                None => warn!(
-                    "worker {}: read segment {index} of slot {slot} names no guest memory; \
-                     not marked in the dirty log",
-                    self.index
-                ),
-            }
-        }
-    }
-
-    fn notify_guests(&mut self) {
-        let memory = Arc::clone(&self.memory);
-        let mem = memory.guest_memory();
-        for rq in self.queues.iter_mut().flatten() {
-            if !rq.notify {
-                continue;
-            }
-            rq.notify = false;
-            // Without EVENT_IDX this is always true; with it, one interrupt per batch at most.
-            if rq.queue.needs_notification(mem).unwrap_or(true) {
-                if let Some(call) = &rq.call {
-                    signal(call);
-                }
-            }
-        }
-    }
-
-    /// Replaces a dead or misbehaving iothread and resubmits everything it had in flight.
+    /// Replaces a dead or misbehaving iothread and resubmits everything it had not put on the
+    /// used rings. The inflight regions are the truth: what the dead one recorded but never
+    /// published is marked again ([`QueueInflight::repair_last_batch`]), and a slot whose head
+    /// is still marked is in flight — even if its completion was read (published just before
+    /// the used index would have moved).
     fn restart_iothread(&mut self) {
         let old_pid = self.link.pid();
         if let Some(fd) = self.link.control_fd() {
@@ -1060,8 +1163,9 @@ impl Worker {
         }
         // Reaped before returning, so none of its I/O can still land after a resubmission.
         self.link.stop();
-        // What it completed before dying is genuine; anything malformed is simply resubmitted.
+        // What it completed before dying frees its slots; anything malformed is ignored.
         let _ = self.reap_completions();
+        self.reconcile_with_inflight();
         let mut attempt = 0u32;
         loop {
             match self.link.start(&self.memory) {
@@ -1073,8 +1177,7 @@ impl Worker {
                         self.index
                     );
                     if attempt >= MAX_START_ATTEMPTS {
-                        self.fail_in_flight();
-                        return;
+                        self.give_up();
                     }
                     std::thread::sleep(Duration::from_millis(50 << attempt));
                 }
@@ -1104,6 +1207,14 @@ impl Worker {
                 error!("worker {}: cannot watch iothread: {e}", self.index);
             }
         }
+        for local in 0..self.queues.len() {
+            self.start_on_iothread(local);
+        }
+        if let Some(log) = &self.dirty_log {
+            if let Err(e) = self.link.set_dirty_log(Some(log)) {
+                error!("worker {}: handing the dirty log over: {e}", self.index);
+            }
+        }
         let mut resubmitted = 0u32;
         for (slot, state) in (0u32..).zip(self.slots.iter()) {
             if state.in_flight && !state.throttled && self.link.submissions.push(slot).is_ok() {
@@ -1119,30 +1230,67 @@ impl Worker {
         self.flush_submissions();
     }
 
-    /// Last resort when no iothread can be started: fail what is in flight (a stuck guest is
-    /// worse than an I/O error it can retry).
-    fn fail_in_flight(&mut self) {
-        let slots = &mut self.slots;
-        self.throttler.abandon(|slot| {
-            if let Some(s) = slots.get_mut(slot as usize) {
-                s.throttled = false;
-            }
-        });
+    /// After an iothread died: per running ring, the used index in guest memory is where its
+    /// successor goes on, the last batch is repaired, and every slot whose head is marked in
+    /// the inflight region (but for heads a predecessor process left, which wait in
+    /// `resubmit` to be parsed again) is in flight.
+    fn reconcile_with_inflight(&mut self) {
         let memory = Arc::clone(&self.memory);
         let mem = memory.guest_memory();
-        let count = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
-        for slot in 0..count {
-            if self.slots.get(slot as usize).is_some_and(|s| s.in_flight) {
-                let _ = self.finish(
-                    Completion {
-                        slot,
-                        status: VIRTIO_BLK_S_IOERR,
-                    },
-                    mem,
+        let queue_size = u32::from(self.disk.queue_size);
+        let mut in_flight = 0u32;
+        for (local, entry) in (0u32..).zip(self.queues.iter_mut()) {
+            let Some(rq) = entry else {
+                continue;
+            };
+            let used = rq
+                .queue
+                .used_idx(mem, std::sync::atomic::Ordering::Acquire)
+                .map_or(rq.next_used, |used| used.0);
+            let size = rq.queue.size();
+            let repaired = rq.inflight.repair_last_batch(size, used);
+            if repaired > 0 {
+                info!(
+                    "queue {local}: {repaired} requests the iothread had not put on the used                      ring are in flight again"
                 );
             }
+            rq.next_used = used;
+            rq.in_flight = 0;
+            for head in 0..size {
+                let slot = local
+                    .checked_mul(queue_size)
+                    .and_then(|first| first.checked_add(u32::from(head)));
+                let Some(state) = slot.and_then(|slot| self.slots.get_mut(slot as usize)) else {
+                    continue;
+                };
+                if rq.inflight.is_marked(head) && !rq.resubmit.contains(&head) {
+                    if !state.in_flight {
+                        // Read as completed, but its used entry never reached the ring.
+                        state.in_flight = true;
+                    }
+                } else if state.in_flight && !state.throttled {
+                    warn!(
+                        "queue {local}: head {head} in flight but not marked in the inflight                          region; resubmitted"
+                    );
+                }
+                if state.in_flight {
+                    rq.in_flight = rq.in_flight.saturating_add(1);
+                }
+            }
+            in_flight = in_flight.saturating_add(rq.in_flight);
         }
-        self.notify_guests();
+        self.in_flight = in_flight;
+    }
+
+    /// Last resort when no iothread can be started: the frontend exits, so that its
+    /// supervisor starts it again and the VMM's reconnect resubmits, from the inflight region,
+    /// everything in flight (a stuck guest is worse than a restarted back-end).
+    fn give_up(&self) -> ! {
+        error!(
+            "worker {}: no iothread can be started; exiting so that the frontend is restarted",
+            self.index
+        );
+        std::process::exit(1)
     }
 }
 
@@ -1150,6 +1298,7 @@ impl Worker {
 mod tests {
     use super::*;
     use crate::memory::tests::two_regions;
+    use vm_memory::Bytes;
 
     fn ring(mem: &GuestMemoryMmap) -> Queue {
         let mut queue = Queue::new(16).unwrap();

@@ -18,7 +18,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use blkplane_frontend::inflight::{region_size, InflightRegion, Limits};
+use blkplane_proto::inflight::{region_size, InflightRegion, Limits};
 use blkplane_fuzz::inflight::{self, Input};
 use libfuzzer_sys::fuzz_target;
 

@@ -41,7 +41,11 @@ fn guest_memory() -> MemoryTable {
     let file = blkplane_fuzz::memfd(c"fuzz-guest", len).expect("memfd");
     let specs: Vec<MemoryRegionSpec> = ring::REGIONS
         .iter()
-        .map(|&(size, mmap_offset)| MemoryRegionSpec { size, mmap_offset })
+        .map(|&(size, mmap_offset)| MemoryRegionSpec {
+            size,
+            mmap_offset,
+            guest_addr: 0,
+        })
         .collect();
     let files: Vec<File> = specs
         .iter()

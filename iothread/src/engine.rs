@@ -7,10 +7,13 @@
 //! 2. turns every queued operation into an SQE and submits the whole batch with one
 //!    `io_uring_enter`, which is also where the thread sleeps when there is nothing else to do;
 //! 3. reaps every available CQE, advancing each slot's state machine (continuing short
-//!    transfers, fdatasync after a writethrough write, the next discard range...) and pushing
-//!    the completions of finished requests;
-//! 4. publishes all those completions with one index update, and writes the frontend's eventfd
-//!    only if the frontend announced it was going to sleep.
+//!    transfers, fdatasync after a writethrough write, the next discard range...) and, for
+//!    each finished request, writing its status byte into guest memory, adding it to its
+//!    queue's used batch ([`UsedRings`]) and pushing its completion;
+//! 4. publishes the batch: used entries and inflight records, then the completions (one index
+//!    update, the frontend's eventfd written only if it announced it was going to sleep, which
+//!    it does only while it waits for requests to finish), then each queue's used index and
+//!    at most one interrupt per queue.
 //!
 //! Batching is the point (QEMU's dataplane lesson): one system call per batch in each
 //! direction, however many requests the batch holds.
@@ -21,10 +24,11 @@
 //! to sleep on the submission queue (`prepare_to_sleep`), so the frontend kicks only a sleeping
 //! iothread and new work arriving while I/O is in flight is never missed.
 //!
-//! Control messages are handled only while no request is in flight: a `SetMemoryTable` then
-//! cannot unmap memory the kernel is still transferring into, even from a frontend that breaks
-//! its promise to send it only when idle, and a `Shutdown` finishes and publishes every started
-//! request before the iothread exits. While a message waits, no new work is taken.
+//! `SetMemoryTable` and `Shutdown` are handled only while no request is in flight: a new
+//! table then cannot unmap memory the kernel is still transferring into, even from a frontend
+//! that breaks its promise to send it only when idle, and a `Shutdown` finishes and publishes
+//! every started request before the iothread exits. While one waits, no new work is taken.
+//! The virtqueue and dirty-log messages are handled as they arrive.
 //!
 //! Nothing on the request path allocates or locks: slot state, iovec arrays and the queue of
 //! operations waiting for room in the io_uring are sized at setup.
@@ -40,10 +44,16 @@ use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 
-use blkplane_proto::control::{self, ControlError, ControlReply, ControlRequest};
-use blkplane_proto::ring::{
-    Completion, Consumer, Producer, RingCounters, RingError, SharedRing, SlotTable,
+use blkplane_proto::clock::monotonic_ns;
+use blkplane_proto::control::{
+    self, ControlError, ControlReply, ControlRequest, QueueSpec, QUEUE_FLAG_CALL,
 };
+use blkplane_proto::dirty_log::DirtyLog;
+use blkplane_proto::inflight::{region_size, InflightRegion, Limits};
+use blkplane_proto::ring::{
+    Completion, Consumer, Opcode, Producer, RingCounters, RingError, SharedRing, SlotTable,
+};
+use std::sync::Arc;
 use io_uring::register::Restriction;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use log::{debug, error, info, warn};
@@ -51,8 +61,9 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 
 use crate::image::Image;
 use crate::memory::MemoryTable;
-use crate::request::{self, RequestError};
+use crate::request::{self, RequestError, UsedTarget};
 use crate::slot::{FallocateSupport, SlotState, Stage, Step};
+use crate::vring::UsedRings;
 
 /// Operations that are not a slot's: the eventfd read (or poll) and the control poll.
 const RESERVED_OPS: u32 = 2;
@@ -219,9 +230,16 @@ struct Core {
     in_flight: usize,
     /// A control message is waiting to be read.
     control_ready: bool,
+    /// A `SetMemoryTable` or `Shutdown` waiting for the requests in flight to finish.
+    held: Option<(ControlRequest, Vec<File>)>,
     complaints: Complaints,
     /// Inline and queued transfers, for the frontend's statistics.
     counters: RingCounters,
+    /// How each slot's request is completed (from its header, read when it started) and how
+    /// many segments of read data to mark in the dirty log.
+    targets: Vec<(UsedTarget, u32)>,
+    /// The used rings this iothread writes.
+    vrings: UsedRings,
 }
 
 /// The most preadv/pwritev calls one inline transfer may take (each moving some bytes) before
@@ -265,6 +283,11 @@ impl Engine {
             .try_reserve_exact(count as usize)
             .map_err(|_| EngineError::Alloc(count))?;
         states.extend((0..count).map(|_| SlotState::new(segments)));
+        let mut targets = Vec::new();
+        targets
+            .try_reserve_exact(count as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
+        targets.resize(count as usize, (UsedTarget::default(), 0));
         let mut pending = VecDeque::new();
         pending
             .try_reserve_exact((count as usize).saturating_add(RESERVED_OPS as usize))
@@ -303,8 +326,11 @@ impl Engine {
                 pending,
                 in_flight: 0,
                 control_ready: false,
+                held: None,
                 complaints: Complaints::default(),
                 counters: ring.counters(),
+                targets,
+                vrings: UsedRings::default(),
             },
         })
     }
@@ -316,18 +342,18 @@ impl Engine {
         self.core.pending.push_back(Token::SubmitRead);
         self.core.pending.push_back(Token::ControlPoll);
         loop {
-            if !self.core.control_ready {
+            if self.core.held.is_none() {
                 self.core.take_new_work()?;
             }
             self.queue_sqes()?;
 
-            // Sleep only with nothing left to submit or publish. While a control message
-            // waits no new work is taken, so only in-flight I/O needs to wake us.
+            // Sleep only with nothing left to submit or publish. While a held message waits
+            // no new work is taken, so only in-flight I/O needs to wake us.
             let idle = self.core.pending.is_empty() && self.core.completions.unpublished() == 0;
             let mut announced = false;
             let block = if !idle {
                 false
-            } else if self.core.control_ready {
+            } else if self.core.held.is_some() {
                 self.core.in_flight > 0
             } else {
                 announced = self.core.submissions.prepare_to_sleep();
@@ -340,8 +366,13 @@ impl Engine {
 
             self.reap()?;
             self.core.publish();
-            if self.core.control_ready && self.core.in_flight == 0 {
-                if let Some(exit) = self.core.handle_control(control)? {
+            if self.core.control_ready {
+                if let Some(exit) = self.core.receive_control(control)? {
+                    return Ok(exit);
+                }
+            }
+            if self.core.held.is_some() && self.core.in_flight == 0 {
+                if let Some(exit) = self.core.handle_held(control)? {
                     return Ok(exit);
                 }
             }
@@ -441,6 +472,18 @@ impl Core {
             .and_then(|index| self.states.get_mut(index))
             .ok_or(EngineError::BadSlot { slot, count })?;
         let (iovecs, ranges) = state.buffers().ok_or(EngineError::SlotBusy(slot))?;
+        let header = self
+            .slots
+            .header(slot)
+            .map_err(|e| EngineError::Slot(e.into()))?;
+        let read_segments = if header.opcode == Opcode::Read as u32 {
+            header.segment_count
+        } else {
+            0
+        };
+        if let Some(target) = self.targets.get_mut(slot as usize) {
+            *target = (UsedTarget::from_header(&header), read_segments);
+        }
         let mut parsed = request::parse(
             &self.slots,
             slot,
@@ -575,9 +618,23 @@ impl Core {
         Ok(())
     }
 
+    /// Completes a request: its status byte and used entry (published with the batch), and
+    /// its completion for the frontend.
     fn push_completion(&mut self, slot: u32, status: u32) -> Result<(), EngineError> {
+        if let Some((target, read_segments)) = self.targets.get(slot as usize) {
+            self.vrings.complete(
+                target,
+                status,
+                (&self.slots, slot, *read_segments),
+                &self.memory,
+            );
+        }
         self.completions
-            .push(Completion { slot, status })
+            .push(Completion {
+                slot,
+                status,
+                completed_ns: monotonic_ns(),
+            })
             .map_err(|_| EngineError::CompletionQueueFull)
     }
 
@@ -708,9 +765,17 @@ impl Core {
         Ok(())
     }
 
-    /// Makes every pushed completion visible, waking the frontend if it sleeps.
+    /// Publishes the batch: used entries and inflight records first, then the completions
+    /// (waking the frontend if it waits for them), then the used indices and interrupts — so
+    /// the frontend sees a completion before the driver can see its head used.
     fn publish(&mut self) {
-        if self.completions.unpublished() == 0 || !self.completions.publish() {
+        if self.completions.unpublished() == 0 {
+            return;
+        }
+        self.vrings.record();
+        let wake = self.completions.publish();
+        self.vrings.commit();
+        if !wake {
             return;
         }
         match (&self.complete_eventfd).write(&1u64.to_ne_bytes()) {
@@ -721,40 +786,153 @@ impl Core {
         }
     }
 
-    /// Reads and answers one control message; returns how to exit if it ends the engine.
-    fn handle_control(&mut self, control: &UnixStream) -> Result<Option<Exit>, EngineError> {
+    /// Reads one control message: answers it at once, or holds a `SetMemoryTable` or
+    /// `Shutdown` until no request is in flight. Returns how to exit if it ends the engine.
+    fn receive_control(&mut self, control: &UnixStream) -> Result<Option<Exit>, EngineError> {
         self.control_ready = false;
-        let reply = match control::recv_request(control) {
-            Ok((ControlRequest::SetMemoryTable(specs), files)) => {
-                match MemoryTable::map(&specs, &files) {
-                    Ok(table) => {
-                        info!("memory table: {} regions", table.len());
-                        // Unmaps the old table, now that no request can point into it.
-                        self.memory = table;
+        let (request, files) = match control::recv_request(control) {
+            Ok(message) => message,
+            Err(ControlError::Closed) => return Ok(Some(Exit::PeerClosed)),
+            Err(e) => return Err(EngineError::Control(e)),
+        };
+        match request {
+            ControlRequest::SetMemoryTable(_) | ControlRequest::Shutdown => {
+                self.held = Some((request, files));
+                if self.in_flight == 0 {
+                    return self.handle_held(control);
+                }
+                Ok(None)
+            }
+            ControlRequest::Setup { .. } => {
+                warn!("refusing a second Setup");
+                self.reply(control, ControlReply(libc::EINVAL))
+            }
+            ControlRequest::StartQueue(spec) => {
+                let reply = self.start_queue(spec, files);
+                self.reply(control, reply)
+            }
+            ControlRequest::StopQueue { queue } => {
+                self.vrings.stop(queue);
+                self.reply(control, ControlReply::OK)
+            }
+            ControlRequest::SetCall { queue, .. } => {
+                let known = self.vrings.set_call(queue, files.into_iter().next());
+                self.reply(
+                    control,
+                    if known {
+                        ControlReply::OK
+                    } else {
+                        ControlReply(libc::ENOENT)
+                    },
+                )
+            }
+            ControlRequest::SetDirtyLog(spec) => {
+                let reply = match (spec, files.into_iter().next()) {
+                    (Some(spec), Some(file)) => match DirtyLog::new(&file, spec.size, spec.offset)
+                    {
+                        Ok(log) => {
+                            info!("dirty log on: {} bytes of bitmap", spec.size);
+                            self.vrings.set_dirty_log(Some(log));
+                            ControlReply::OK
+                        }
+                        Err(e) => {
+                            warn!("refusing the dirty log: {e}");
+                            ControlReply(libc::EINVAL)
+                        }
+                    },
+                    _ => {
+                        info!("dirty log off");
+                        self.vrings.set_dirty_log(None);
                         ControlReply::OK
                     }
-                    Err(e) => {
-                        warn!("refusing memory table, keeping the old one: {e}");
-                        ControlReply(e.errno())
-                    }
-                }
+                };
+                self.reply(control, reply)
             }
-            Ok((ControlRequest::Shutdown, _)) => {
+        }
+    }
+
+    fn reply(
+        &mut self,
+        control: &UnixStream,
+        reply: ControlReply,
+    ) -> Result<Option<Exit>, EngineError> {
+        reply.send(control).map_err(EngineError::Control)?;
+        self.pending.push_back(Token::ControlPoll);
+        Ok(None)
+    }
+
+    /// Maps the queue's part of the inflight region and starts completing its requests.
+    fn start_queue(&mut self, spec: QueueSpec, files: Vec<File>) -> ControlReply {
+        let mut files = files.into_iter();
+        let Some(region_file) = files.next() else {
+            return ControlReply(libc::EINVAL);
+        };
+        let call = (spec.flags & QUEUE_FLAG_CALL != 0).then(|| files.next()).flatten();
+        let limits = Limits {
+            max_queues: spec.inflight_queues,
+            max_queue_size: spec.inflight_size,
+        };
+        let region = InflightRegion::open(
+            &region_file,
+            region_size(spec.inflight_queues, spec.inflight_size),
+            spec.inflight_offset,
+            spec.inflight_queues,
+            spec.inflight_size,
+            limits,
+        )
+        .map(Arc::new)
+        .and_then(|region| region.queue(spec.inflight_queue));
+        let tracker = match region {
+            Ok(tracker) => tracker,
+            Err(e) => {
+                warn!("queue {}: refusing its inflight region: {e}", spec.queue);
+                return ControlReply(libc::EINVAL);
+            }
+        };
+        match self.vrings.start(spec, tracker, call, &self.memory) {
+            Ok(()) => {
+                debug!(
+                    "queue {}: {} entries, used index {}",
+                    spec.queue, spec.size, spec.next_used
+                );
+                ControlReply::OK
+            }
+            Err(e) => {
+                warn!("refusing to start {e}");
+                ControlReply(e.errno())
+            }
+        }
+    }
+
+    /// Handles the held `SetMemoryTable` or `Shutdown` (no request is in flight).
+    fn handle_held(&mut self, control: &UnixStream) -> Result<Option<Exit>, EngineError> {
+        let Some((request, files)) = self.held.take() else {
+            return Ok(None);
+        };
+        let reply = match request {
+            ControlRequest::SetMemoryTable(specs) => match MemoryTable::map(&specs, &files) {
+                Ok(table) => {
+                    info!("memory table: {} regions", table.len());
+                    // Unmaps the old table, now that no request can point into it; the rings
+                    // are found in the new one before anything is completed again.
+                    self.memory = table;
+                    self.vrings.remap(&self.memory);
+                    ControlReply::OK
+                }
+                Err(e) => {
+                    warn!("refusing memory table, keeping the old one: {e}");
+                    ControlReply(e.errno())
+                }
+            },
+            ControlRequest::Shutdown => {
                 if let Err(e) = ControlReply::OK.send(control) {
                     debug!("answering Shutdown: {e}");
                 }
                 return Ok(Some(Exit::Shutdown));
             }
-            Ok((ControlRequest::Setup { .. }, _)) => {
-                warn!("refusing a second Setup");
-                ControlReply(libc::EINVAL)
-            }
-            Err(ControlError::Closed) => return Ok(Some(Exit::PeerClosed)),
-            Err(e) => return Err(EngineError::Control(e)),
+            _ => ControlReply(libc::EINVAL),
         };
-        reply.send(control).map_err(EngineError::Control)?;
-        self.pending.push_back(Token::ControlPoll);
-        Ok(None)
+        self.reply(control, reply)
     }
 }
 

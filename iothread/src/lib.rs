@@ -19,3 +19,4 @@ pub mod image;
 pub mod memory;
 pub mod request;
 pub mod slot;
+pub mod vring;

@@ -240,6 +240,10 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         } => (flags, logical_block_size, image_size),
         ControlRequest::SetMemoryTable(_) => return Err(SetupError::NotSetup("SetMemoryTable")),
         ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
+        ControlRequest::StartQueue(_) => return Err(SetupError::NotSetup("StartQueue")),
+        ControlRequest::StopQueue { .. } => return Err(SetupError::NotSetup("StopQueue")),
+        ControlRequest::SetCall { .. } => return Err(SetupError::NotSetup("SetCall")),
+        ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
     };
     if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE) != 0 {
         return Err(SetupError::UnknownFlags(flags));

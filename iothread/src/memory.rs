@@ -8,7 +8,10 @@
 //! check against `fstat` at mapping time is still done, so that an honest mistake is refused up
 //! front.
 //!
-//! A null image is the exception: its reads are zero-filled by this process, through raw
+//! Two exceptions. The iothread completes requests itself, so it writes status bytes and
+//! used-ring entries and reads the avail ring's flags and `used_event`, through raw pointers
+//! and atomics (never references) into these mappings, checked against them first
+//! (`iothread/src/vring.rs`). And a null image: its reads are zero-filled by this process, through raw
 //! pointers (never references), so concurrent guest accesses still alias nothing. A region
 //! whose file the VMM shrinks after it was mapped then raises `SIGBUS` here, and the frontend
 //! replaces the iothread; only the VMM can do that, and it only hurts its own guest.
@@ -90,6 +93,8 @@ pub struct Region {
     lead: usize,
     /// The region's size.
     len: u64,
+    /// Guest-physical address of the region's first byte.
+    guest_addr: u64,
 }
 
 impl Region {
@@ -105,6 +110,21 @@ impl Region {
         // SAFETY: `start <= lead + len <= mapping_len`, so the pointer stays inside (or one past
         // the end of) the mapping, which is at most isize::MAX bytes long (checked in `map_one`).
         Some(unsafe { self.mapping.as_ptr().add(start) })
+    }
+
+    /// The guest-physical address of byte `offset` of the region, if it is inside it.
+    pub fn guest_address(&self, offset: u64) -> Option<u64> {
+        if offset >= self.len {
+            return None;
+        }
+        self.guest_addr.checked_add(offset)
+    }
+
+    /// The offset in this region of `len` bytes at guest-physical `addr`, if they all lie
+    /// inside it.
+    fn offset_of(&self, addr: u64, len: u64) -> Option<u64> {
+        let offset = addr.checked_sub(self.guest_addr)?;
+        (offset.checked_add(len)? <= self.len).then_some(offset)
     }
 }
 
@@ -167,6 +187,20 @@ impl MemoryTable {
     pub fn region(&self, index: u32) -> Option<&Region> {
         self.regions.get(usize::try_from(index).ok()?)
     }
+
+    /// The address in this process of `len` bytes at guest-physical `addr`, if they all lie
+    /// inside one region.
+    pub fn translate(&self, addr: u64, len: u32) -> Option<*mut u8> {
+        self.regions.iter().find_map(|region| {
+            let offset = region.offset_of(addr, u64::from(len))?;
+            region.address(offset, len)
+        })
+    }
+
+    /// The guest-physical address of byte `offset` of region `index`.
+    pub fn guest_address(&self, index: u32, offset: u64) -> Option<u64> {
+        self.region(index)?.guest_address(offset)
+    }
 }
 
 fn map_one(index: usize, spec: &MemoryRegionSpec, file: &File) -> Result<Region, MemoryError> {
@@ -228,6 +262,7 @@ fn map_one(index: usize, spec: &MemoryRegionSpec, file: &File) -> Result<Region,
         mapping_len: map_len,
         lead,
         len: spec.size,
+        guest_addr: spec.guest_addr,
     })
 }
 
@@ -264,7 +299,32 @@ pub(crate) mod tests {
     }
 
     fn spec(size: u64, mmap_offset: u64) -> MemoryRegionSpec {
-        MemoryRegionSpec { size, mmap_offset }
+        MemoryRegionSpec {
+            size,
+            mmap_offset,
+            guest_addr: mmap_offset << 20,
+        }
+    }
+
+    #[test]
+    fn guest_addresses_translate_inside_one_region() {
+        let file = memfd(3 * 4096);
+        let table = MemoryTable::map(
+            &[spec(4096, 0), spec(4096, 4096)],
+            &[file.try_clone().unwrap(), file],
+        )
+        .unwrap();
+        let second = 4096 << 20;
+        assert_eq!(
+            table.translate(second + 8, 4),
+            table.region(1).unwrap().address(8, 4)
+        );
+        assert!(table.translate(4090, 8).is_none(), "crosses the first's end");
+        assert!(table.translate(second + 4095, 2).is_none());
+        assert!(table.translate(u64::MAX, 1).is_none());
+        assert_eq!(table.guest_address(1, 10), Some(second + 10));
+        assert_eq!(table.guest_address(1, 4096), None);
+        assert_eq!(table.guest_address(2, 0), None);
     }
 
     #[test]

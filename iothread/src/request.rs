@@ -7,7 +7,10 @@
 //! per-slot buffers, so a frontend rewriting the slot while the request runs changes nothing
 //! (no time-of-check/time-of-use gap).
 
-use blkplane_proto::ring::{Opcode, RingError, SlotTable, RANGE_FLAG_UNMAP, SLOT_FLAG_SYNC};
+use blkplane_proto::ring::{
+    Opcode, RingError, SlotHeader, SlotTable, NO_STATUS, RANGE_FLAG_UNMAP, SLOT_FLAG_SYNC,
+};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 
 use crate::memory::MemoryTable;
 
@@ -57,6 +60,51 @@ pub enum Request {
         /// Number of ranges filled in.
         ranges: usize,
     },
+    /// No I/O: the frontend's own answer, completed at once with `status`.
+    Answer {
+        /// `VIRTIO_BLK_S_OK`, `_IOERR` or `_UNSUPP` (anything else became `_IOERR`).
+        status: u32,
+    },
+}
+
+/// How a slot's request is completed in guest memory, as its header says: read once when the
+/// request starts, so a frontend rewriting the slot meanwhile changes nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UsedTarget {
+    /// The queue's index among those started on this iothread.
+    pub queue: u16,
+    /// The descriptor head the used entry returns.
+    pub head: u16,
+    /// The status byte: memory region index and offset (`None`: the chain has none).
+    pub status: Option<(u32, u64)>,
+    /// Used length on success (and, for an answer, whatever its status).
+    pub used_len: u32,
+    /// The frontend's own answer: `used_len` holds whatever the status.
+    pub answer: bool,
+}
+
+impl UsedTarget {
+    /// Reads the completion part of a slot header.
+    pub fn from_header(header: &SlotHeader) -> Self {
+        Self {
+            queue: header.queue,
+            head: header.head,
+            status: (header.status_region != NO_STATUS)
+                .then_some((header.status_region, header.status_offset)),
+            used_len: header.used_len,
+            answer: header.opcode == Opcode::Answer as u32,
+        }
+    }
+
+    /// The used length to report with `status`: what the frontend said on success (or for
+    /// an answer), else just the status byte, if there is one.
+    pub fn used_len(&self, status: u32) -> u32 {
+        if self.answer || status == VIRTIO_BLK_S_OK {
+            self.used_len
+        } else {
+            u32::from(self.status.is_some())
+        }
+    }
 }
 
 /// A rule a slot breaks. Apart from [`RequestError::Slot`] these concern one request only: it is
@@ -191,6 +239,12 @@ pub fn parse(
             })
         }
         Opcode::Flush => Ok(Request::Flush),
+        Opcode::Answer => Ok(Request::Answer {
+            status: match header.answer {
+                VIRTIO_BLK_S_OK | VIRTIO_BLK_S_UNSUPP => header.answer,
+                _ => VIRTIO_BLK_S_IOERR,
+            },
+        }),
         Opcode::Discard | Opcode::WriteZeroes => {
             let filled = parse_ranges(slots, slot, count, image_size, ranges)?;
             Ok(if opcode == Opcode::Discard {
@@ -318,10 +372,12 @@ mod tests {
                     MemoryRegionSpec {
                         size: 4096,
                         mmap_offset: 0,
+                        guest_addr: 0,
                     },
                     MemoryRegionSpec {
                         size: 8192,
                         mmap_offset: 4096,
+                        guest_addr: 0,
                     },
                 ],
                 &[file.try_clone().unwrap(), file],
@@ -349,7 +405,7 @@ mod tests {
                         flags,
                         image_offset,
                         segment_count: segments.len() as u32,
-                        reserved: 0,
+                        ..Default::default()
                     },
                 )
                 .unwrap();
@@ -444,10 +500,56 @@ mod tests {
     #[test]
     fn unknown_opcode() {
         let mut f = Fixture::new();
-        for opcode in [0, 6, u32::MAX] {
+        for opcode in [0, 7, u32::MAX] {
             f.write_slot(opcode, 0, 0, &[]);
             assert!(matches!(f.parse(), Err(RequestError::UnknownOpcode(o)) if o == opcode));
         }
+    }
+
+    #[test]
+    fn an_answer_carries_a_known_status_or_ioerr() {
+        let mut f = Fixture::new();
+        let slots = f.ring.slots();
+        for (given, parsed) in [
+            (VIRTIO_BLK_S_OK, VIRTIO_BLK_S_OK),
+            (VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_S_UNSUPP),
+            (VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_IOERR),
+            (77, VIRTIO_BLK_S_IOERR),
+        ] {
+            let header = SlotHeader {
+                opcode: Opcode::Answer as u32,
+                answer: given,
+                ..Default::default()
+            };
+            slots.set_header(1, header).unwrap();
+            assert_eq!(f.parse().unwrap(), Request::Answer { status: parsed });
+        }
+    }
+
+    #[test]
+    fn the_used_length_depends_on_the_status() {
+        let io = UsedTarget::from_header(&SlotHeader {
+            opcode: Opcode::Read as u32,
+            used_len: 4097,
+            status_region: 0,
+            ..Default::default()
+        });
+        assert_eq!(io.used_len(VIRTIO_BLK_S_OK), 4097);
+        assert_eq!(io.used_len(VIRTIO_BLK_S_IOERR), 1, "only the status byte");
+        let rejected = UsedTarget::from_header(&SlotHeader {
+            opcode: Opcode::Answer as u32,
+            status_region: NO_STATUS,
+            used_len: 0,
+            ..Default::default()
+        });
+        assert_eq!(rejected.status, None);
+        assert_eq!(rejected.used_len(VIRTIO_BLK_S_IOERR), 0);
+        let get_id = UsedTarget::from_header(&SlotHeader {
+            opcode: Opcode::Answer as u32,
+            used_len: 21,
+            ..Default::default()
+        });
+        assert_eq!(get_id.used_len(VIRTIO_BLK_S_IOERR), 21, "an answer's length holds");
     }
 
     #[test]
@@ -470,7 +572,7 @@ mod tests {
             flags: 0,
             image_offset: 0,
             segment_count: SEGS + 1,
-            reserved: 0,
+            ..Default::default()
         };
         let layout = *f.ring.layout();
         let offset = layout.slots_offset + layout.slot_stride;

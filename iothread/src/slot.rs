@@ -237,6 +237,10 @@ impl SlotState {
                 self.opcode = Opcode::Flush;
                 Step::Issue(Stage::Fsync)
             }
+            Request::Answer { status } => {
+                self.opcode = Opcode::Answer;
+                Step::Complete(status)
+            }
             Request::Discard { ranges } => self.begin_ranges(Opcode::Discard, ranges, support),
             Request::WriteZeroes { ranges } => {
                 self.begin_ranges(Opcode::WriteZeroes, ranges, support)
@@ -256,6 +260,10 @@ impl SlotState {
     /// for the current memory table.
     pub unsafe fn run_null(&mut self, request: Request) -> Step {
         self.opcode = match request {
+            Request::Answer { status } => {
+                self.opcode = Opcode::Answer;
+                return self.record(Step::Complete(status));
+            }
             Request::Read { iovecs, .. } => {
                 for iov in self.iovecs.get(..iovecs).unwrap_or_default() {
                     // SAFETY: the caller guarantees the buffer is mapped writable. Guest memory

@@ -47,10 +47,12 @@ const REGIONS: [MemoryRegionSpec; 2] = [
     MemoryRegionSpec {
         size: 2 << 20,
         mmap_offset: 0,
+        guest_addr: 0,
     },
     MemoryRegionSpec {
         size: 1 << 20,
         mmap_offset: (2 << 20) + 512,
+        guest_addr: 2 << 20,
     },
 ];
 
@@ -180,7 +182,7 @@ fn header(opcode: Opcode, flags: u32, image_offset: u64, segments: usize) -> Slo
         flags,
         image_offset,
         segment_count: segments as u32,
-        reserved: 0,
+        ..Default::default()
     }
 }
 
@@ -866,21 +868,25 @@ fn bad_memory_tables_are_refused_and_the_old_one_kept() {
     let too_big = [MemoryRegionSpec {
         size: GUEST_SIZE + 4096,
         mmap_offset: 0,
+        guest_addr: 0,
     }];
     let beyond = [
         REGIONS[0],
         MemoryRegionSpec {
             size: 4096,
             mmap_offset: GUEST_SIZE - 100,
+            guest_addr: 0,
         },
     ];
     let empty = [MemoryRegionSpec {
         size: 0,
         mmap_offset: 0,
+        guest_addr: 0,
     }];
     let overflow = [MemoryRegionSpec {
         size: 4096,
         mmap_offset: u64::MAX - 10,
+        guest_addr: 0,
     }];
     for table in [&too_big[..], &beyond, &empty, &overflow] {
         match fe.set_memory_table(table) {

@@ -6,8 +6,12 @@
 //! | message | bytes | fds |
 //! |---|---|---|
 //! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd] |
-//! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64) | one per region, in index order |
+//! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64, guest_addr: u64) | one per region, in index order |
 //! | `Shutdown` | tag 3: u32 | — |
+//! | `StartQueue` | tag 4: u32, queue: u16, size: u16, flags: u32, avail_addr: u64, used_addr: u64, next_used: u16, inflight_queue: u16, inflight_queues: u16, inflight_size: u16, inflight_offset: u64 | inflight region, then (with [`QUEUE_FLAG_CALL`]) the call eventfd |
+//! | `StopQueue` | tag 5: u32, queue: u32 | — |
+//! | `SetCall` | tag 6: u32, queue: u32, has_call: u32 | the call eventfd when has_call is 1 |
+//! | `SetDirtyLog` | tag 7: u32, present: u32, size: u64, offset: u64 | the log's memfd when present is 1 |
 //! | reply | tag 0x80: u32, errno: i32 (0 = success) | — |
 //!
 //! `Setup` byte by byte (20 bytes):
@@ -24,7 +28,20 @@
 //! guest buffers and every other request at once, without any I/O.
 //!
 //! The frontend only sends `SetMemoryTable` while no request of that iothread is in flight, so
-//! the iothread can swap its mappings without any lock on the I/O path.
+//! the iothread can swap its mappings without any lock on the I/O path (and the iothread holds
+//! it, and `Shutdown`, until its requests are done, should a frontend break that promise).
+//! The other messages are handled as soon as they arrive.
+//!
+//! `StartQueue` hands the iothread a virtqueue it completes requests of: where its avail ring
+//! (for the driver's interrupt suppression: flags and `used_event`) and used ring are in
+//! guest-physical memory, the used index to go on from, whether `VIRTIO_RING_F_EVENT_IDX` was
+//! negotiated, the inflight region it clears requests in as it uses them
+//! ([`crate::inflight`]; the region's geometry, the queue's index in it and the mapping offset
+//! of the file), and the call eventfd. `queue` is the index slots name
+//! ([`crate::ring::SlotHeader::queue`]). `StopQueue` forgets one (the frontend sends it only
+//! once the queue's requests are done), `SetCall` replaces or removes its call eventfd, and
+//! `SetDirtyLog` starts (a memfd, the bitmap's `size` bytes at `offset`) or stops marking
+//! what the iothread writes into guest memory in a live migration's dirty log.
 
 use std::fs::File;
 use std::io;
@@ -39,11 +56,21 @@ pub const MAX_MEMORY_REGIONS: usize = 32;
 /// The most file descriptors one message carries.
 pub const MAX_FDS: usize = MAX_MEMORY_REGIONS;
 /// The largest encoded message.
-pub const MAX_MESSAGE_SIZE: usize = 8 + 16 * MAX_MEMORY_REGIONS;
+pub const MAX_MESSAGE_SIZE: usize = 8 + 24 * MAX_MEMORY_REGIONS;
 
 const TAG_SETUP: u32 = 1;
 const TAG_SET_MEMORY_TABLE: u32 = 2;
 const TAG_SHUTDOWN: u32 = 3;
+const TAG_START_QUEUE: u32 = 4;
+const TAG_STOP_QUEUE: u32 = 5;
+const TAG_SET_CALL: u32 = 6;
+const TAG_SET_DIRTY_LOG: u32 = 7;
+
+/// `StartQueue` flag: `VIRTIO_RING_F_EVENT_IDX` was negotiated (interrupts are suppressed
+/// through `used_event`, not the avail ring's flags).
+pub const QUEUE_FLAG_EVENT_IDX: u32 = 1;
+/// `StartQueue` flag: the call eventfd follows the inflight region's fd.
+pub const QUEUE_FLAG_CALL: u32 = 2;
 const TAG_REPLY: u32 = 0x80;
 
 /// `Setup` flag: a fifth fd, the image opened with O_DIRECT, follows.
@@ -87,6 +114,42 @@ pub struct MemoryRegionSpec {
     pub size: u64,
     /// Offset of the mapping in the fd.
     pub mmap_offset: u64,
+    /// The guest-physical address of the region's first byte (for rings and the dirty log).
+    pub guest_addr: u64,
+}
+
+/// A virtqueue the iothread completes requests of (`StartQueue`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueSpec {
+    /// The index slots name the queue by.
+    pub queue: u16,
+    /// Ring size.
+    pub size: u16,
+    /// `QUEUE_FLAG_*` bits.
+    pub flags: u32,
+    /// Guest-physical address of the avail ring.
+    pub avail_addr: u64,
+    /// Guest-physical address of the used ring.
+    pub used_addr: u64,
+    /// The used index the first completion goes to.
+    pub next_used: u16,
+    /// The queue's index in the inflight region.
+    pub inflight_queue: u16,
+    /// Queues the inflight region holds.
+    pub inflight_queues: u16,
+    /// Entries per queue in the inflight region.
+    pub inflight_size: u16,
+    /// Offset of the inflight region in its file (page aligned).
+    pub inflight_offset: u64,
+}
+
+/// A live migration's dirty log as the iothread maps it (`SetDirtyLog`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirtyLogSpec {
+    /// Bytes of bitmap.
+    pub size: u64,
+    /// Offset of the bitmap in the file.
+    pub offset: u64,
 }
 
 /// A request from the frontend.
@@ -105,6 +168,23 @@ pub enum ControlRequest {
     SetMemoryTable(Vec<MemoryRegionSpec>),
     /// Exit cleanly.
     Shutdown,
+    /// Complete the requests of a virtqueue from now on.
+    StartQueue(QueueSpec),
+    /// Forget a virtqueue (none of its requests is in flight).
+    StopQueue {
+        /// The index slots name it by.
+        queue: u16,
+    },
+    /// Replace (`has_call`: the eventfd travels with the message) or remove a queue's call
+    /// eventfd.
+    SetCall {
+        /// The index slots name it by.
+        queue: u16,
+        /// Whether an eventfd is attached.
+        has_call: bool,
+    },
+    /// Start (`Some`: the log's memfd travels with the message) or stop marking the dirty log.
+    SetDirtyLog(Option<DirtyLogSpec>),
 }
 
 impl ControlRequest {
@@ -116,7 +196,11 @@ impl ControlRequest {
             Self::Setup { flags, .. } if flags & SETUP_FLAG_DIRECT_FD != 0 => 5,
             Self::Setup { .. } => 4,
             Self::SetMemoryTable(regions) => regions.len(),
-            Self::Shutdown => 0,
+            Self::Shutdown | Self::StopQueue { .. } => 0,
+            Self::StartQueue(spec) if spec.flags & QUEUE_FLAG_CALL != 0 => 2,
+            Self::StartQueue(_) => 1,
+            Self::SetCall { has_call, .. } => usize::from(*has_call),
+            Self::SetDirtyLog(log) => usize::from(log.is_some()),
         }
     }
 
@@ -143,9 +227,39 @@ impl ControlRequest {
                 for region in regions {
                     out.extend_from_slice(&region.size.to_le_bytes());
                     out.extend_from_slice(&region.mmap_offset.to_le_bytes());
+                    out.extend_from_slice(&region.guest_addr.to_le_bytes());
                 }
             }
             Self::Shutdown => out.extend_from_slice(&TAG_SHUTDOWN.to_le_bytes()),
+            Self::StartQueue(spec) => {
+                out.extend_from_slice(&TAG_START_QUEUE.to_le_bytes());
+                out.extend_from_slice(&spec.queue.to_le_bytes());
+                out.extend_from_slice(&spec.size.to_le_bytes());
+                out.extend_from_slice(&spec.flags.to_le_bytes());
+                out.extend_from_slice(&spec.avail_addr.to_le_bytes());
+                out.extend_from_slice(&spec.used_addr.to_le_bytes());
+                out.extend_from_slice(&spec.next_used.to_le_bytes());
+                out.extend_from_slice(&spec.inflight_queue.to_le_bytes());
+                out.extend_from_slice(&spec.inflight_queues.to_le_bytes());
+                out.extend_from_slice(&spec.inflight_size.to_le_bytes());
+                out.extend_from_slice(&spec.inflight_offset.to_le_bytes());
+            }
+            Self::StopQueue { queue } => {
+                out.extend_from_slice(&TAG_STOP_QUEUE.to_le_bytes());
+                out.extend_from_slice(&u32::from(*queue).to_le_bytes());
+            }
+            Self::SetCall { queue, has_call } => {
+                out.extend_from_slice(&TAG_SET_CALL.to_le_bytes());
+                out.extend_from_slice(&u32::from(*queue).to_le_bytes());
+                out.extend_from_slice(&u32::from(*has_call).to_le_bytes());
+            }
+            Self::SetDirtyLog(log) => {
+                out.extend_from_slice(&TAG_SET_DIRTY_LOG.to_le_bytes());
+                out.extend_from_slice(&u32::from(log.is_some()).to_le_bytes());
+                let (size, offset) = log.map_or((0, 0), |l| (l.size, l.offset));
+                out.extend_from_slice(&size.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+            }
         }
         out
     }
@@ -169,11 +283,39 @@ impl ControlRequest {
                     regions.push(MemoryRegionSpec {
                         size: reader.u64()?,
                         mmap_offset: reader.u64()?,
+                        guest_addr: reader.u64()?,
                     });
                 }
                 Self::SetMemoryTable(regions)
             }
             TAG_SHUTDOWN => Self::Shutdown,
+            TAG_START_QUEUE => Self::StartQueue(QueueSpec {
+                queue: reader.u16()?,
+                size: reader.u16()?,
+                flags: reader.u32()?,
+                avail_addr: reader.u64()?,
+                used_addr: reader.u64()?,
+                next_used: reader.u16()?,
+                inflight_queue: reader.u16()?,
+                inflight_queues: reader.u16()?,
+                inflight_size: reader.u16()?,
+                inflight_offset: reader.u64()?,
+            }),
+            TAG_STOP_QUEUE => Self::StopQueue {
+                queue: reader.queue()?,
+            },
+            TAG_SET_CALL => Self::SetCall {
+                queue: reader.queue()?,
+                has_call: reader.flag()?,
+            },
+            TAG_SET_DIRTY_LOG => {
+                let present = reader.flag()?;
+                let spec = DirtyLogSpec {
+                    size: reader.u64()?,
+                    offset: reader.u64()?,
+                };
+                Self::SetDirtyLog(present.then_some(spec))
+            }
             _ => return Err(ControlError::Malformed("unknown tag")),
         };
         if !reader.0.is_empty() {
@@ -195,8 +337,24 @@ impl Reader<'_> {
         Ok(*head)
     }
 
+    fn u16(&mut self) -> Result<u16> {
+        self.take::<2>().map(u16::from_le_bytes)
+    }
+
     fn u32(&mut self) -> Result<u32> {
         self.take::<4>().map(u32::from_le_bytes)
+    }
+
+    fn queue(&mut self) -> Result<u16> {
+        u16::try_from(self.u32()?).map_err(|_| ControlError::Malformed("queue index too large"))
+    }
+
+    fn flag(&mut self) -> Result<bool> {
+        match self.u32()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(ControlError::Malformed("a flag that is neither 0 nor 1")),
+        }
     }
 
     fn u64(&mut self) -> Result<u64> {
@@ -362,13 +520,41 @@ mod tests {
                 MemoryRegionSpec {
                     size: 1 << 30,
                     mmap_offset: 0,
+                    guest_addr: 0,
                 },
                 MemoryRegionSpec {
                     size: 4096,
                     mmap_offset: 8192,
+                    guest_addr: 1 << 32,
                 },
             ]),
             ControlRequest::Shutdown,
+            ControlRequest::StartQueue(QueueSpec {
+                queue: 3,
+                size: 256,
+                flags: QUEUE_FLAG_EVENT_IDX | QUEUE_FLAG_CALL,
+                avail_addr: 0x1000,
+                used_addr: 0x2000,
+                next_used: 65535,
+                inflight_queue: 7,
+                inflight_queues: 8,
+                inflight_size: 256,
+                inflight_offset: 4096,
+            }),
+            ControlRequest::StopQueue { queue: 2 },
+            ControlRequest::SetCall {
+                queue: 1,
+                has_call: true,
+            },
+            ControlRequest::SetCall {
+                queue: 1,
+                has_call: false,
+            },
+            ControlRequest::SetDirtyLog(Some(DirtyLogSpec {
+                size: 4096,
+                offset: 100,
+            })),
+            ControlRequest::SetDirtyLog(None),
         ] {
             assert_eq!(ControlRequest::decode(&request.encode()).unwrap(), request);
         }
@@ -384,10 +570,18 @@ mod tests {
         let mut truncated = ControlRequest::SetMemoryTable(vec![MemoryRegionSpec {
             size: 1,
             mmap_offset: 2,
+            guest_addr: 3,
         }])
         .encode();
         truncated.pop();
         assert!(ControlRequest::decode(&truncated).is_err());
+        let mut bad_flag = ControlRequest::SetCall {
+            queue: 0,
+            has_call: true,
+        }
+        .encode();
+        bad_flag[8] = 2;
+        assert!(ControlRequest::decode(&bad_flag).is_err());
         let mut trailing = ControlRequest::Shutdown.encode();
         trailing.push(0);
         assert!(ControlRequest::decode(&trailing).is_err());
@@ -400,6 +594,7 @@ mod tests {
         let request = ControlRequest::SetMemoryTable(vec![MemoryRegionSpec {
             size: 4096,
             mmap_offset: 0,
+            guest_addr: 0,
         }]);
         send_request(&a, &request, &[file.as_raw_fd()]).unwrap();
         let (got, files) = recv_request(&b).unwrap();

@@ -3,8 +3,12 @@
 //! - [`ring`]: the shared-memory batch ring a frontend and one iothread exchange requests on.
 //! - [`cpus`]: CPU lists (`0-1,3`) as the API and the command lines take them.
 //! - [`shm`]: sealed memfds and shared mappings, the ground both of the above stand on.
-//! - [`control`]: the control messages (setup, memory table, shutdown) on the socket between
-//!   them.
+//! - [`control`]: the control messages (setup, memory table, virtqueues, dirty log, shutdown)
+//!   on the socket between them.
+//! - [`inflight`]: the inflight region (INFLIGHT_SHMFD) the frontend marks requests in and the
+//!   iothread clears them from as it puts them on the used ring.
+//! - [`dirty_log`]: a live migration's dirty-page bitmap, marked by both processes.
+//! - [`clock`]: the monotonic clock both processes stamp requests with.
 //! - [`v1`]: the protobuf messages of `blkplane/v1/frontend.proto`, the admin channel between
 //!   `blkplaned` and a frontend (status, statistics, resize). The gRPC API of `blkplaned`
 //!   (`blkplane/v1/control.proto`) is generated in the `blkplane-control` crate and reuses
@@ -22,8 +26,11 @@
     )
 )]
 
+pub mod clock;
 pub mod control;
 pub mod cpus;
+pub mod dirty_log;
+pub mod inflight;
 pub mod ring;
 pub mod shm;
 pub mod throttle;

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | 0 | 4096 | [`RingHeader`]: magic `BLKPRING`, version, geometry, offsets below |
 //! | `sq_offset` | 192 + 4 × `sq_entries` | submission queue: [`QueueIndices`], then `u32` slot numbers |
-//! | `cq_offset` | 192 + 8 × `cq_entries` | completion queue: [`QueueIndices`], then [`Completion`]s |
+//! | `cq_offset` | 192 + 16 × `cq_entries` | completion queue: [`QueueIndices`], then [`Completion`]s |
 //! | `slots_offset` | `slot_stride` × `slot_count` | request slots: [`SlotHeader`] then `segments_per_slot` [`Segment`]s |
 //!
 //! [`QueueIndices`] is three 64-byte cache lines: the producer index, the consumer index and the
@@ -16,8 +16,12 @@
 //!
 //! A request is written into its slot by the frontend (slot number = queue-local index ×
 //! queue size + descriptor head, so a slot is never used by two in-flight requests), then the
-//! slot number is pushed on the submission queue. The iothread executes it and pushes a
-//! [`Completion`]. Each queue has exactly one producer and one consumer process. Because a slot
+//! slot number is pushed on the submission queue. The iothread executes it, completes it in
+//! guest memory (status byte, used ring, interrupt: it is the only writer of the used rings of
+//! its virtqueues) and pushes a [`Completion`], which tells the frontend the slot is free and
+//! feeds its statistics. The frontend reads completions when it wakes anyway (a kick) and asks
+//! to be woken for them only when it waits for requests to finish (a drain, a ring stop, a
+//! memory-table change): completing a request costs it no wake-up. Each queue has exactly one producer and one consumer process. Because a slot
 //! is in at most one of the two queues at a time, both queues have room for every slot and a
 //! push never finds them full unless the peer is misbehaving.
 //!
@@ -41,7 +45,7 @@ use crate::shm::{sealed_memfd, SharedMapping};
 /// The eight bytes at offset 0 of every ring file.
 pub const RING_MAGIC: [u8; 8] = *b"BLKPRING";
 /// The layout version this crate reads and writes; bumped on any incompatible change.
-pub const RING_VERSION: u32 = 1;
+pub const RING_VERSION: u32 = 2;
 /// Bytes reserved for the header, so that the queues start on their own page.
 pub const HEADER_SIZE: u64 = 4096;
 /// Offset in the header page of the iothread's [`RingCounters`], on a cache line of their own
@@ -110,6 +114,10 @@ pub enum Opcode {
     Discard = 4,
     /// Zero the image ranges given as segments ([`RANGE_FLAG_UNMAP`] allows deallocation).
     WriteZeroes = 5,
+    /// No I/O: complete the request at once with [`SlotHeader::answer`] as its status. The
+    /// frontend answers what it decided itself (a rejected request, GET_ID) this way, so that
+    /// the iothread stays the only writer of the used ring.
+    Answer = 6,
 }
 
 impl Opcode {
@@ -121,6 +129,7 @@ impl Opcode {
             3 => Self::Flush,
             4 => Self::Discard,
             5 => Self::WriteZeroes,
+            6 => Self::Answer,
             _ => return None,
         })
     }
@@ -150,7 +159,16 @@ pub struct Segment {
     pub aux: u32,
 }
 
+/// [`SlotHeader::status_region`] of a request whose status byte could not be located (a
+/// rejected chain): nothing is written but the used entry, with length 0.
+pub const NO_STATUS: u32 = u32::MAX;
+
 /// The fixed part of a request slot; `segment_count` [`Segment`]s follow it.
+///
+/// Besides what to execute it says how to complete the request, which the iothread does
+/// itself: the virtqueue (`queue`, an index into the queues the frontend started on this
+/// iothread with `StartQueue`), the descriptor head to put on its used ring, where the status
+/// byte goes, and the used length.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SlotHeader {
@@ -162,11 +180,24 @@ pub struct SlotHeader {
     pub image_offset: u64,
     /// How many segments follow.
     pub segment_count: u32,
+    /// The request's virtqueue: its index among the queues started on this iothread.
+    pub queue: u16,
+    /// The descriptor head the used entry returns.
+    pub head: u16,
+    /// The memory region of the status byte, or [`NO_STATUS`].
+    pub status_region: u32,
+    /// The used length when the request succeeds (a failed one returns only its status byte).
+    pub used_len: u32,
+    /// Offset of the status byte in its memory region.
+    pub status_offset: u64,
+    /// The status of an [`Opcode::Answer`]: `VIRTIO_BLK_S_OK`, `_IOERR` or `_UNSUPP`.
+    pub answer: u32,
     /// Zero.
     pub reserved: u32,
 }
 
-/// A finished request, pushed by the iothread.
+/// A finished request, pushed by the iothread once its used entry is written and before the
+/// used index that makes it visible to the guest is published.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Completion {
@@ -174,6 +205,8 @@ pub struct Completion {
     pub slot: u32,
     /// A virtio-blk status: `VIRTIO_BLK_S_OK`, `VIRTIO_BLK_S_IOERR` or `VIRTIO_BLK_S_UNSUPP`.
     pub status: u32,
+    /// When the request completed, in [`crate::clock::monotonic_ns`] nanoseconds.
+    pub completed_ns: u64,
 }
 
 /// The header at offset 0 of a ring file.
@@ -798,7 +831,7 @@ mod tests {
         assert_eq!(layout.slots_offset % 4096, 0);
         assert_eq!(layout.slot_stride % 64, 0);
         assert!(layout.cq_offset >= layout.sq_offset + 192 + 4 * 256);
-        assert!(layout.slots_offset >= layout.cq_offset + 192 + 8 * 256);
+        assert!(layout.slots_offset >= layout.cq_offset + 192 + 16 * 256);
         assert!(layout.total_size >= layout.slots_offset + 256 * layout.slot_stride);
         assert_eq!(RingLayout::new(3, 1).unwrap().sq_entries, 4);
     }
@@ -814,8 +847,8 @@ mod tests {
     #[test]
     fn struct_sizes_are_the_documented_ones() {
         assert_eq!(size_of::<Segment>(), 16);
-        assert_eq!(size_of::<SlotHeader>(), 24);
-        assert_eq!(size_of::<Completion>(), 8);
+        assert_eq!(size_of::<SlotHeader>(), 48);
+        assert_eq!(size_of::<Completion>(), 16);
         assert_eq!(size_of::<QueueIndices>(), 192);
         assert!(size_of::<RingHeader>() as u64 <= HEADER_SIZE);
     }
@@ -832,7 +865,7 @@ mod tests {
             flags: SLOT_FLAG_SYNC,
             image_offset: 4096,
             segment_count: 2,
-            reserved: 0,
+            ..Default::default()
         };
         slots.set_header(5, header).unwrap();
         let seg = Segment {
@@ -852,12 +885,21 @@ mod tests {
         let mut cq = iothread.completion_producer();
         let mut cq_rx = frontend.completion_consumer();
         assert!(cq_rx.prepare_to_sleep());
-        cq.push(Completion { slot: 5, status: 0 }).unwrap();
+        cq.push(Completion {
+            slot: 5,
+            status: 0,
+            completed_ns: 9,
+        })
+        .unwrap();
         assert!(cq.publish(), "a sleeping consumer must be woken");
         cq_rx.woke_up();
         assert_eq!(
             cq_rx.pop().unwrap(),
-            Some(Completion { slot: 5, status: 0 })
+            Some(Completion {
+                slot: 5,
+                status: 0,
+                completed_ns: 9
+            })
         );
         assert!(cq_rx.prepare_to_sleep());
     }

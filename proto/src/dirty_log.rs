@@ -7,10 +7,10 @@
 //! bit `page % 8` of byte `page / 8`. The VMM reads and clears it with atomic exchanges, so a
 //! bit is only ever set here, with an atomic OR, and only *after* the write it stands for —
 //! set before, a sync between the mark and the write would clear it and the write would never
-//! be copied. blkplane writes guest memory in three places, all marked by the queue worker
-//! before the used entry that completes the request is published: read data (written by an
-//! iothread in another process; the worker sees its completion first), status bytes and
-//! GET_ID strings, and the used ring itself.
+//! be copied. blkplane writes guest memory in four places: read data, status bytes and the used
+//! ring are written and marked by the iothread that completes the request (before it publishes
+//! the used index), GET_ID strings and the avail-event and notification flags by the frontend
+//! worker. Both processes map the same log and mark it with atomic ORs.
 //!
 //! The log's contents and size come from the VMM and are not trusted: a page beyond the
 //! bitmap is not marked (and counted), never an out-of-bounds store.
@@ -18,7 +18,7 @@
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
-use blkplane_proto::shm::SharedMapping;
+use crate::shm::SharedMapping;
 
 /// Bytes of guest memory per bit of the log (VHOST_LOG_PAGE in the vhost-user spec and in
 /// Linux's vhost; no rust-vmm crate exports it).
@@ -55,6 +55,8 @@ pub enum DirtyLogError {
 #[derive(Debug)]
 pub struct DirtyLog {
     mapping: SharedMapping,
+    /// The file, kept to hand to the iothreads.
+    file: File,
     /// Where the bitmap starts in the mapping (the VMM's mmap_offset).
     offset: usize,
     /// Bitmap length in bytes (the VMM's mmap_size).
@@ -83,10 +85,24 @@ impl DirtyLog {
         let mapping = SharedMapping::new(file, needed, 0)?;
         Ok(Self {
             mapping,
+            file: file.try_clone()?,
             offset: offset_bytes,
             len,
             unmarked: AtomicU64::new(0),
         })
+    }
+
+    /// The log's file (to hand to an iothread).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Where the bitmap lies in [`DirtyLog::file`].
+    pub fn spec(&self) -> crate::control::DirtyLogSpec {
+        crate::control::DirtyLogSpec {
+            size: self.len as u64,
+            offset: self.offset as u64,
+        }
     }
 
     /// Guest memory the bitmap covers, in bytes.
@@ -144,7 +160,7 @@ impl DirtyLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use blkplane_proto::shm::sealed_memfd;
+    use crate::shm::sealed_memfd;
 
     fn log(size: u64, offset: u64) -> (DirtyLog, File) {
         let file = sealed_memfd(c"log-test", offset + size).unwrap();

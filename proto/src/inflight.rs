@@ -13,11 +13,24 @@
 //! | offset | field |
 //! |---|---|
 //! | 0 | `features: u64` (0) |
-//! | 8 | `version: u16` (1; 0 = never initialized) |
+//! | 8 | `version: u16` (2; 0 = never initialized; 1 = libvhost-user's order, below) |
 //! | 10 | `desc_num: u16` (entries, = queue size) |
 //! | 12 | `last_batch_head: u16` (head of the list of the last used batch) |
-//! | 14 | `used_idx: u16` (the used ring's idx once that batch is fully recorded) |
+//! | 14 | `used_idx: u16` (the used ring's idx once that batch is on it) |
 //! | 16 + 16·i | `desc[i]`: `inflight: u8`, padding `[u8; 5]`, `next: u16`, `counter: u64` |
+//!
+//! Two processes write it. The frontend marks a head when it takes it off the avail ring
+//! ([`QueueInflight::mark`]: `counter`, then `inflight` = 1). The iothread, which puts requests
+//! on the used ring, records each batch before the used index in guest memory moves
+//! ([`QueueInflight::record_batch`]): it links the batch's heads through `next` from
+//! `last_batch_head`, stores the used index the batch will reach in `used_idx`, and clears
+//! their flags; only then does it write the used index in guest memory. So a head is cleared
+//! before the driver can see it used and make it available again — the frontend's next mark
+//! of that head can never be undone by a late clear — and after a crash the two indices say
+//! where the crash fell: equal, and every head still marked is in flight; the region's ahead,
+//! and the last batch was cleared but never reached the guest, so its heads are marked again
+//! ([`QueueInflight::repair_last_batch`]). Version 1 regions (libvhost-user's order: clear
+//! after the used index moved, which only works with one writer) are still recovered.
 //!
 //! The region is hostile input: a previous process or the VMM wrote it. Every access is bounds
 //! checked and goes through atomics (another process may write concurrently), and recovery
@@ -28,11 +41,14 @@ use std::io;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use blkplane_proto::shm::{is_sealed_against_shrinking, sealed_memfd, SharedMapping};
+use crate::shm::{is_sealed_against_shrinking, sealed_memfd, SharedMapping};
 use log::warn;
 
-/// The region layout version this frontend writes and understands.
-pub const VERSION: u16 = 1;
+/// The region protocol version blkplane writes (see the module documentation).
+pub const VERSION: u16 = 2;
+/// The version of regions written in libvhost-user's order (flags cleared after the used index
+/// moved), which recovery still understands.
+pub const VERSION_CLEAR_AFTER_USED: u16 = 1;
 /// Bytes of a queue region's header.
 pub const QUEUE_HEADER_SIZE: u64 = 16;
 /// Bytes of one `DescStateSplit` entry.
@@ -231,6 +247,10 @@ pub struct InflightRegion {
     mapping: Mapping,
     num_queues: u16,
     queue_size: u16,
+    /// The file, kept to hand to the iothreads that clear requests in it.
+    file: File,
+    /// Where the mapping starts in the file.
+    mmap_offset: u64,
 }
 
 impl std::fmt::Debug for InflightRegion {
@@ -262,11 +282,17 @@ impl InflightRegion {
                 source,
             })?;
         let mapping = Mapping::new(&file, size, 0)?;
+        let kept = file.try_clone().map_err(|source| InflightError::Os {
+            op: "duplicate inflight memfd",
+            source,
+        })?;
         Ok((
             Self {
                 mapping,
                 num_queues,
                 queue_size,
+                file: kept,
+                mmap_offset: 0,
             },
             file,
         ))
@@ -314,11 +340,37 @@ impl InflightRegion {
             return Err(InflightError::NotSealed);
         }
         let mapping = Mapping::new(file, needed, mmap_offset)?;
+        let file = file.try_clone().map_err(|source| InflightError::Os {
+            op: "duplicate inflight fd",
+            source,
+        })?;
         Ok(Self {
             mapping,
             num_queues,
             queue_size,
+            file,
+            mmap_offset,
         })
+    }
+
+    /// The file the region lives in (to hand to an iothread).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Where the region starts in [`InflightRegion::file`].
+    pub fn mmap_offset(&self) -> u64 {
+        self.mmap_offset
+    }
+
+    /// Queues the region holds.
+    pub fn num_queues(&self) -> u16 {
+        self.num_queues
+    }
+
+    /// Entries per queue.
+    pub fn queue_size(&self) -> u16 {
+        self.queue_size
     }
 
     /// Bytes of the region (what GET_INFLIGHT_FD reports as mmap_size).
@@ -363,6 +415,7 @@ impl InflightRegion {
             })?;
         Ok(QueueInflight {
             region: Arc::clone(self),
+            queue,
             base,
             entries: self.queue_size,
             counter: 0,
@@ -385,8 +438,10 @@ pub struct Recovered {
     /// The avail index to go on from (used idx + requests in flight), when the region had been
     /// initialized before; `None` for a fresh region (then the VMM's SET_VRING_BASE holds).
     pub next_avail: Option<u16>,
-    /// Heads of the last used batch whose in-flight flag a crash left set (they were used).
-    pub completed_batch: u16,
+    /// Heads of the last batch a crash left half-recorded: in a version 2 region cleared but
+    /// never used (marked again, so resubmitted), in a version 1 region used but still marked
+    /// (cleared).
+    pub repaired_batch: u16,
 }
 
 /// One queue's part of the region, as the worker that owns the queue updates it.
@@ -395,6 +450,8 @@ pub struct Recovered {
 /// no allocation.
 pub struct QueueInflight {
     region: Arc<InflightRegion>,
+    /// The queue's index in the region.
+    queue: u16,
     /// Byte offset of this queue's area in the mapping.
     base: usize,
     /// Entries in this queue's area.
@@ -414,6 +471,16 @@ impl std::fmt::Debug for QueueInflight {
 }
 
 impl QueueInflight {
+    /// The region this queue's area is part of.
+    pub fn region(&self) -> &Arc<InflightRegion> {
+        &self.region
+    }
+
+    /// The queue's index in [`QueueInflight::region`].
+    pub fn queue_index(&self) -> u16 {
+        self.queue
+    }
+
     fn header<T: Field>(&self, offset: usize) -> Option<&T> {
         self.region.mapping.atomic(self.base.checked_add(offset)?)
     }
@@ -461,7 +528,7 @@ impl QueueInflight {
     }
 
     /// A head was taken off the avail ring: record its order, then mark it in flight. From
-    /// here until [`QueueInflight::after_used`] a crash makes the next process resubmit it.
+    /// here until [`QueueInflight::record_batch`] a crash makes the next process resubmit it.
     pub fn mark(&mut self, head: u16) {
         if let Some(counter) = self.desc::<AtomicU64>(head, OFF_DESC_COUNTER) {
             counter.store(self.counter, Ordering::Relaxed);
@@ -471,24 +538,82 @@ impl QueueInflight {
         self.counter = self.counter.wrapping_add(1);
     }
 
-    /// About to put `head` on the used ring (a batch of one): link it as the last batch, so
-    /// that a crash after the used index moved but before [`QueueInflight::after_used`]
-    /// cleared the flag is recognized (used idx ≠ the region's used_idx) and undone.
-    pub fn before_used(&self, head: u16) {
-        let last = self.load16(OFF_LAST_BATCH_HEAD);
-        if let Some(next) = self.desc::<AtomicU16>(head, OFF_DESC_NEXT) {
-            next.store(last, Ordering::Relaxed);
-        }
-        // Ordered before the used index store that follows (add_used stores it with Release).
-        self.store16(OFF_LAST_BATCH_HEAD, head);
+    /// Whether `head` is marked in flight.
+    pub fn is_marked(&self, head: u16) -> bool {
+        self.inflight(head)
     }
 
-    /// `head` is on the used ring and the used index is now `used_idx`: clear its flag, then
-    /// record the used index, which closes the batch. Both stores are Release, so they stay
-    /// after the used index store in guest memory.
-    pub fn after_used(&self, head: u16, used_idx: u16) {
-        self.set_inflight(head, 0);
+    /// The iothread is about to put `heads` on the used ring, which takes the used index to
+    /// `used_after`: links them as the last batch, records `used_after`, then clears their
+    /// flags. The caller writes the used index in guest memory only after this returns (the
+    /// stores are Release, in this order), so the driver can make a head available again only
+    /// once its flag is cleared, and a crash before the used index moved is recognized (the
+    /// region's used_idx ahead of the ring's) and undone by [`QueueInflight::repair_last_batch`].
+    pub fn record_batch<I>(&self, heads: I, used_after: u16)
+    where
+        I: IntoIterator<Item = u16> + Clone,
+    {
+        let mut last = self.load16(OFF_LAST_BATCH_HEAD);
+        for head in heads.clone() {
+            if let Some(next) = self.desc::<AtomicU16>(head, OFF_DESC_NEXT) {
+                next.store(last, Ordering::Relaxed);
+            }
+            last = head;
+        }
+        self.store16(OFF_LAST_BATCH_HEAD, last);
+        self.store16(OFF_USED_IDX, used_after);
+        for head in heads {
+            self.set_inflight(head, 0);
+        }
+    }
+
+    /// After the iothread that used this ring died (or the process before this one): if the
+    /// region's used_idx is ahead of `used_idx`, the ring's used index in guest memory, the
+    /// last batch was cleared but never put on the ring, so its heads (at most `ring_size`,
+    /// walked through `next`) are marked in flight again. Returns how many were.
+    pub fn repair_last_batch(&self, ring_size: u16, used_idx: u16) -> u16 {
+        let region_used = self.load16(OFF_USED_IDX);
+        if region_used == used_idx {
+            return 0;
+        }
+        let batch = region_used.wrapping_sub(used_idx);
+        let mut head = self.load16(OFF_LAST_BATCH_HEAD);
+        let mut repaired = 0u16;
+        // A batch is never larger than the ring; the bound also ends loops in the list.
+        for _ in 0..batch.min(ring_size) {
+            if head >= ring_size {
+                warn!("inflight region: last batch names head {head} outside the ring");
+                break;
+            }
+            self.set_inflight(head, 1);
+            repaired = repaired.saturating_add(1);
+            head = self.next_of(head);
+        }
         self.store16(OFF_USED_IDX, used_idx);
+        repaired
+    }
+
+    /// A version 1 region (flags cleared after the used index moved): a used index ahead of
+    /// the region's means the last batch was used but its flags were not cleared yet.
+    fn clear_used_batch(&self, ring_size: u16, used_idx: u16) -> u16 {
+        let region_used = self.load16(OFF_USED_IDX);
+        if region_used == used_idx {
+            return 0;
+        }
+        let batch = used_idx.wrapping_sub(region_used);
+        let mut head = self.load16(OFF_LAST_BATCH_HEAD);
+        let mut cleared = 0u16;
+        for _ in 0..batch.min(ring_size) {
+            if head >= ring_size {
+                warn!("inflight region: last batch names head {head} outside the ring");
+                break;
+            }
+            self.set_inflight(head, 0);
+            cleared = cleared.saturating_add(1);
+            head = self.next_of(head);
+        }
+        self.store16(OFF_USED_IDX, used_idx);
+        cleared
     }
 
     /// Brings the region in line with the ring as the ring starts, and says what to resubmit.
@@ -511,12 +636,13 @@ impl QueueInflight {
                 entries: self.entries,
             });
         }
-        match self.load16(OFF_VERSION) {
+        let version = self.load16(OFF_VERSION);
+        match version {
             0 => {
                 self.initialize(used_idx);
                 return Ok(Recovered::default());
             }
-            VERSION => {}
+            VERSION | VERSION_CLEAR_AFTER_USED => {}
             other => return Err(InflightError::Version(other)),
         }
         let desc_num = self.load16(OFF_DESC_NUM);
@@ -527,26 +653,14 @@ impl QueueInflight {
             );
             self.store16(OFF_DESC_NUM, self.entries);
         }
-
-        // A crash between the used index store and the end of after_used: the last batch was
-        // used, so its flags no longer mean "in flight".
-        let mut completed_batch = 0u16;
-        let region_used = self.load16(OFF_USED_IDX);
-        if region_used != used_idx {
-            let batch = used_idx.wrapping_sub(region_used);
-            let mut head = self.load16(OFF_LAST_BATCH_HEAD);
-            // A batch is never larger than the ring; the bound also ends loops in the list.
-            for _ in 0..batch.min(ring_size) {
-                if head >= ring_size {
-                    warn!("inflight region: last batch names head {head} outside the ring");
-                    break;
-                }
-                self.set_inflight(head, 0);
-                completed_batch = completed_batch.saturating_add(1);
-                head = self.next_of(head);
-            }
-            self.store16(OFF_USED_IDX, used_idx);
-        }
+        let repaired_batch = if version == VERSION {
+            self.repair_last_batch(ring_size, used_idx)
+        } else {
+            let cleared = self.clear_used_batch(ring_size, used_idx);
+            // Consistent now: from here on this process writes in its own order.
+            self.store16(OFF_VERSION, VERSION);
+            cleared
+        };
 
         let mut marked: Vec<(u64, u16)> = Vec::new();
         let mut outside = 0u32;
@@ -585,7 +699,7 @@ impl QueueInflight {
         Ok(Recovered {
             resubmit: marked.into_iter().map(|(_, head)| head).collect(),
             next_avail: Some(used_idx.wrapping_add(in_flight)),
-            completed_batch,
+            repaired_batch,
         })
     }
 
@@ -630,11 +744,20 @@ mod tests {
         Arc::new(InflightRegion::open(file, size, 0, num_queues, queue_size, LIMITS).unwrap())
     }
 
-    /// What a head popped and used by the worker amounts to.
+    /// What the iothread does for a head it uses (a batch of one), then the used index store.
     fn complete(q: &QueueInflight, head: u16, used: &mut u16) {
-        q.before_used(head);
         *used = used.wrapping_add(1);
-        q.after_used(head, *used);
+        q.record_batch([head], *used);
+    }
+
+    /// libvhost-user's order (a version 1 region): link, then (after the used index moved)
+    /// clear and record.
+    fn link_v1(q: &QueueInflight, head: u16) {
+        let last = q.load16(OFF_LAST_BATCH_HEAD);
+        q.desc::<AtomicU16>(head, OFF_DESC_NEXT)
+            .unwrap()
+            .store(last, Ordering::Relaxed);
+        q.store16(OFF_LAST_BATCH_HEAD, head);
     }
 
     #[test]
@@ -714,7 +837,12 @@ mod tests {
             Err(InflightError::Geometry { .. })
         ));
         // A file that could shrink under the mapping is refused.
-        let unsealed = crate::memory::tests::memfd(size);
+        // SAFETY: memfd_create with a static name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh fd owned by nobody else.
+        let unsealed = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        unsealed.set_len(size).unwrap();
         assert!(matches!(
             InflightRegion::open(&unsealed, size, 0, 2, 128, LIMITS),
             Err(InflightError::NotSealed)
@@ -758,8 +886,8 @@ mod tests {
         // Out-of-range heads are ignored, not written past the entries.
         q.mark(16);
         q.mark(u16::MAX);
-        q.before_used(u16::MAX);
-        q.after_used(u16::MAX, 9);
+        q.record_batch([u16::MAX, 16], 9);
+        assert_eq!(q.repair_last_batch(16, 8), 0, "the list leaves the ring at once");
     }
 
     #[test]
@@ -780,62 +908,89 @@ mod tests {
         let got = q.recover(16, used, 5).unwrap();
         assert_eq!(got.resubmit, vec![9, 5, 4]);
         assert_eq!(got.next_avail, Some(5));
-        assert_eq!(got.completed_batch, 0);
+        assert_eq!(got.repaired_batch, 0);
         // New marks continue after the oldest survivors' counters.
         q.mark(6);
         assert_eq!(q.counter_of(6), 5);
     }
 
     #[test]
-    fn a_crash_between_add_used_and_the_clear_is_recognized() {
+    fn a_crash_between_the_clear_and_the_used_index_is_recognized() {
         let (region, file) = new_region(1, 8);
         let mut q = region.queue(0).unwrap();
         q.recover(8, 100, 100).unwrap();
         for head in [1, 2, 3] {
             q.mark(head);
         }
-        // 2 is put on the used ring (used idx 100 → 101 in guest memory), then the process
-        // dies before after_used.
-        q.before_used(2);
-        let used_in_guest = 101;
+        // The iothread records a batch of 2 and 3 (used 100 → 102), clearing their flags, then
+        // dies before the used index in guest memory moved.
+        q.record_batch([2, 3], 102);
+        assert!(!q.inflight(2) && !q.inflight(3));
         drop(q);
         let mut q = reopen(&file, 1, 8).queue(0).unwrap();
-        let got = q.recover(8, used_in_guest, 103).unwrap();
-        assert_eq!(got.completed_batch, 1);
-        assert_eq!(got.resubmit, vec![1, 3]);
+        let got = q.recover(8, 100, 103).unwrap();
+        assert_eq!(got.repaired_batch, 2);
+        assert_eq!(got.resubmit, vec![1, 2, 3], "marked again, in counter order");
         assert_eq!(got.next_avail, Some(103));
-        assert_eq!(q.load16(OFF_USED_IDX), 101);
-        assert!(!q.inflight(2));
+        assert_eq!(q.load16(OFF_USED_IDX), 100);
 
-        // A crash before the used index moved: 2 is resubmitted.
+        // The same batch, with the used index moved: nothing of it is in flight.
         let (region, file) = new_region(1, 8);
         let mut q = region.queue(0).unwrap();
-        q.recover(8, 0, 0).unwrap();
-        q.mark(2);
-        q.before_used(2);
+        q.recover(8, 100, 100).unwrap();
+        for head in [1, 2, 3] {
+            q.mark(head);
+        }
+        q.record_batch([2, 3], 102);
         drop(q);
         let got = reopen(&file, 1, 8)
             .queue(0)
             .unwrap()
-            .recover(8, 0, 1)
+            .recover(8, 102, 103)
             .unwrap();
-        assert_eq!((got.resubmit, got.completed_batch), (vec![2], 0));
+        assert_eq!((got.resubmit, got.repaired_batch), (vec![1], 0));
+        assert_eq!(got.next_avail, Some(103));
+    }
 
-        // A crash after the clear but before used_idx was recorded: nothing to resubmit.
+    #[test]
+    fn a_head_marked_again_after_its_use_stays_marked() {
+        // The driver saw head 4 used and made it available again; the frontend marked it. No
+        // later step of the iothread's touches its flag.
+        let (region, _file) = new_region(1, 8);
+        let mut q = region.queue(0).unwrap();
+        q.recover(8, 0, 0).unwrap();
+        q.mark(4);
+        let mut used = 0;
+        complete(&q, 4, &mut used);
+        q.mark(4);
+        assert!(q.is_marked(4));
+        assert_eq!(q.repair_last_batch(8, used), 0);
+        assert!(q.is_marked(4));
+        let got = q.recover(8, used, 2).unwrap();
+        assert_eq!(got.resubmit, vec![4]);
+    }
+
+    #[test]
+    fn a_version_1_region_is_recovered_in_its_own_order() {
         let (region, file) = new_region(1, 8);
         let mut q = region.queue(0).unwrap();
         q.recover(8, 0, 0).unwrap();
-        q.mark(2);
-        q.before_used(2);
-        q.set_inflight(2, 0);
+        q.store16(OFF_VERSION, VERSION_CLEAR_AFTER_USED);
+        for head in [4, 5, 6, 7] {
+            q.mark(head);
+        }
+        // libvhost-user batching three used entries, crashing before clearing any flag.
+        link_v1(&q, 4);
+        link_v1(&q, 5);
+        link_v1(&q, 6);
         drop(q);
-        let got = reopen(&file, 1, 8)
-            .queue(0)
-            .unwrap()
-            .recover(8, 1, 1)
-            .unwrap();
-        assert!(got.resubmit.is_empty());
-        assert_eq!(got.next_avail, Some(1));
+        let q = reopen(&file, 1, 8).queue(0).unwrap();
+        let mut q = q;
+        let got = q.recover(8, 3, 4).unwrap();
+        assert_eq!(got.repaired_batch, 3);
+        assert_eq!(got.resubmit, vec![7]);
+        assert_eq!(got.next_avail, Some(4));
+        assert_eq!(q.load16(OFF_VERSION), VERSION, "written in the new order from now on");
     }
 
     #[test]
@@ -846,19 +1001,13 @@ mod tests {
         for head in [4, 5, 6, 7] {
             q.mark(head);
         }
-        // Another back-end batching three used entries, crashing before clearing any flag.
-        q.before_used(4);
-        q.before_used(5);
-        q.before_used(6);
+        let mut used = 0;
+        complete(&q, 7, &mut used);
+        q.record_batch([4, 5, 6], 4);
         drop(q);
-        let got = reopen(&file, 1, 8)
-            .queue(0)
-            .unwrap()
-            .recover(8, 3, 4)
-            .unwrap();
-        assert_eq!(got.completed_batch, 3);
-        assert_eq!(got.resubmit, vec![7]);
-        assert_eq!(got.next_avail, Some(4));
+        let q = reopen(&file, 1, 8).queue(0).unwrap();
+        assert_eq!(q.repair_last_batch(8, used), 3);
+        assert!((4..7).all(|h| q.is_marked(h)) && !q.is_marked(7));
     }
 
     /// Writes raw values into the queue region, as a hostile VMM or a buggy predecessor could.
@@ -898,11 +1047,11 @@ mod tests {
         q.store16(OFF_LAST_BATCH_HEAD, 1);
         q.store16(OFF_USED_IDX, 60000);
         let got = q.recover(8, 0, 8).unwrap();
-        // 1 was "completed" by the batch walk (a loop is bounded); heads 12 and 15 are not
-        // ring heads and are cleared; 3 and 0 remain, ordered by counter (huge counters sort
-        // last and the next counter wraps).
-        assert_eq!(got.resubmit, vec![3, 0]);
-        assert_eq!(got.next_avail, Some(2));
+        // 1 was marked again by the batch walk (a loop is bounded); heads 12 and 15 are not
+        // ring heads and are cleared; 3, 1 and 0 remain, ordered by counter (huge counters
+        // sort last and the next counter wraps).
+        assert_eq!(got.resubmit, vec![3, 1, 0]);
+        assert_eq!(got.next_avail, Some(3));
         assert_eq!(q.load16(OFF_DESC_NUM), 16);
         assert!(!q.inflight(12) && !q.inflight(15));
         q.mark(5);
@@ -911,7 +1060,7 @@ mod tests {
         // A batch list that leaves the ring at once.
         q.store16(OFF_LAST_BATCH_HEAD, 40000);
         q.store16(OFF_USED_IDX, 7);
-        assert!(q.recover(8, 9, 12).is_ok());
+        assert!(q.recover(8, 9, 13).is_ok());
 
         // More marked than the avail ring can account for.
         forge(&q, &[(0, 1, 0, 1), (1, 1, 0, 2), (2, 1, 0, 3)]);

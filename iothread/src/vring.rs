@@ -1,0 +1,411 @@
+//! Completing requests in guest memory. The iothread is the only writer of the used rings of
+//! the virtqueues its frontend started on it (`StartQueue`): it writes each request's status
+//! byte as the request finishes, and once per batch puts the batch on the used ring, clears
+//! the requests in the inflight region, marks what it wrote in a migration's dirty log and
+//! signals the guest's call eventfd (at most once per queue and batch, honouring
+//! `VIRTIO_RING_F_EVENT_IDX` or the avail ring's `VRING_AVAIL_F_NO_INTERRUPT`).
+//!
+//! A batch is published in two steps around the completion queue's publication
+//! ([`UsedRings::record`], then the engine publishes its completions, then
+//! [`UsedRings::commit`]): the used entries are written and the inflight region records the
+//! batch first, the frontend's completions become visible next, and only then does the used
+//! index in guest memory move. So whenever the driver has seen a head used and made it
+//! available again, the frontend can already see that head's completion (it would otherwise
+//! take the head for a driver reusing a request still in flight), and the head's inflight flag
+//! is already cleared (the frontend's next mark of it can never be undone by a late clear).
+//!
+//! Guest memory is shared with the guest and the VMM: every access goes through raw pointers
+//! (volatile or atomic), never a reference, into the iothread's own mappings, each checked
+//! against the memory table when the queue starts or the table changes. The frontend is not
+//! trusted either: heads, queues and status addresses from a slot are checked, and a
+//! violation only costs the request's used entry (logged), never an access outside a mapping.
+
+use std::fs::File;
+use std::io::Write;
+use std::sync::atomic::{fence, AtomicU16, Ordering};
+
+use blkplane_proto::control::{QueueSpec, QUEUE_FLAG_EVENT_IDX};
+use blkplane_proto::dirty_log::DirtyLog;
+use blkplane_proto::inflight::QueueInflight;
+use blkplane_proto::ring::{SlotTable, NO_STATUS};
+use log::warn;
+use virtio_bindings::virtio_ring::VRING_AVAIL_F_NO_INTERRUPT;
+
+use crate::memory::MemoryTable;
+use crate::request::UsedTarget;
+
+/// The most queues one iothread completes for (the frontend numbers them from 0).
+pub const MAX_QUEUES: u16 = 1024;
+/// Bytes of a used element (`struct virtq_used_elem`: id, len).
+const USED_ELEM_SIZE: u32 = 8;
+
+/// Why a queue could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum VringError {
+    /// The queue index or ring size is out of range.
+    #[error("queue {queue} of size {size}: {why}")]
+    Geometry {
+        /// The queue's index.
+        queue: u16,
+        /// Its ring size.
+        size: u16,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// A ring is not inside one memory region, or misaligned.
+    #[error("queue {queue}: the {ring} ring at {addr:#x} is not inside guest memory, aligned")]
+    Ring {
+        /// The queue's index.
+        queue: u16,
+        /// `avail` or `used`.
+        ring: &'static str,
+        /// Its guest-physical address.
+        addr: u64,
+    },
+}
+
+impl VringError {
+    /// The errno to answer the frontend with.
+    pub fn errno(&self) -> i32 {
+        libc::EINVAL
+    }
+}
+
+/// Where a queue's rings are in this process, valid for the memory table they were resolved
+/// against.
+#[derive(Clone, Copy)]
+struct RingAreas {
+    /// `struct virtq_avail`: flags, idx, ring[size], used_event.
+    avail: *mut u8,
+    /// `struct virtq_used`: flags, idx, ring[size], avail_event.
+    used: *mut u8,
+}
+
+/// One started queue.
+struct Vring {
+    spec: QueueSpec,
+    /// `None` while the rings lie outside the current memory table: nothing is written.
+    areas: Option<RingAreas>,
+    next_used: u16,
+    /// Whether an interrupt decision has been made since the queue started (the first batch
+    /// always signals, as a VMM may have missed one across a restart).
+    signalled_once: bool,
+    call: Option<File>,
+    inflight: QueueInflight,
+    /// Heads and used lengths of the batch being collected (capacity: the ring size).
+    batch: Vec<(u16, u32)>,
+    /// The used index before the batch was recorded (for EVENT_IDX).
+    batch_start: u16,
+}
+
+/// The bytes of the used ring: flags, idx, the elements and avail_event.
+fn used_ring_len(size: u16) -> u32 {
+    u32::from(size)
+        .saturating_mul(USED_ELEM_SIZE)
+        .saturating_add(6)
+}
+
+/// The bytes of the avail ring: flags, idx, the ring and used_event.
+fn avail_ring_len(size: u16) -> u32 {
+    u32::from(size).saturating_mul(2).saturating_add(6)
+}
+
+impl RingAreas {
+    fn resolve(spec: &QueueSpec, memory: &MemoryTable) -> Result<Self, VringError> {
+        let ring = |ring, addr: u64, len, align: u64| {
+            memory
+                .translate(addr, len)
+                .filter(|ptr| (*ptr as u64).is_multiple_of(align))
+                .ok_or(VringError::Ring {
+                    queue: spec.queue,
+                    ring,
+                    addr,
+                })
+        };
+        Ok(Self {
+            avail: ring("avail", spec.avail_addr, avail_ring_len(spec.size), 2)?,
+            used: ring("used", spec.used_addr, used_ring_len(spec.size), 4)?,
+        })
+    }
+
+    /// The u16 at byte `offset` of the avail ring.
+    ///
+    /// # Safety
+    /// `offset + 2` must be at most [`avail_ring_len`] of the ring's size and even.
+    unsafe fn avail_u16(&self, offset: u32) -> &AtomicU16 {
+        // SAFETY: inside the area `resolve` checked to lie in a mapping, 2-byte aligned (the
+        // area is, and the caller passes an even offset). The mapping outlives `self`
+        // (re-resolved before the table is replaced). Guest memory is only accessed
+        // atomically here, so no reference to plain memory aliases the guest's stores.
+        unsafe { AtomicU16::from_ptr(self.avail.add(offset as usize).cast()) }
+    }
+
+    /// The u16 at byte `offset` of the used ring.
+    ///
+    /// # Safety
+    /// As [`RingAreas::avail_u16`], for the used ring.
+    unsafe fn used_u16(&self, offset: u32) -> &AtomicU16 {
+        // SAFETY: as in avail_u16.
+        unsafe { AtomicU16::from_ptr(self.used.add(offset as usize).cast()) }
+    }
+}
+
+impl Vring {
+    /// Writes the collected batch's used elements and records the batch in the inflight
+    /// region; the used index does not move yet.
+    fn record(&mut self) {
+        let Some(areas) = self.areas else {
+            return;
+        };
+        let size = self.spec.size;
+        self.batch_start = self.next_used;
+        let mut index = self.next_used;
+        for &(head, len) in &self.batch {
+            // `index % size` < size, so the element lies inside the used ring checked by
+            // `resolve`: offset 4 + 8 × slot + 8 <= used_ring_len(size).
+            let slot = u32::from(index.checked_rem(size).unwrap_or(0));
+            let offset = slot.saturating_mul(USED_ELEM_SIZE).saturating_add(4);
+            // SAFETY: in bounds (above) of a mapped, 4-byte aligned area (the used ring's
+            // alignment, checked by `resolve`, and 4 + 8 × slot keeps it); volatile, through a
+            // raw pointer: the guest may read it concurrently but only acts on it after the
+            // used index store in `commit`. Two u32 stores, as the element is two fields.
+            unsafe {
+                let ptr = areas.used.add(offset as usize).cast::<u32>();
+                ptr.write_volatile(u32::from(head));
+                ptr.add(1).write_volatile(len);
+            }
+            index = index.wrapping_add(1);
+        }
+        self.inflight
+            .record_batch(self.batch.iter().map(|&(head, _)| head), index);
+        self.next_used = index;
+    }
+
+    /// Publishes the recorded batch: the used index, the dirty log, the interrupt.
+    fn commit(&mut self, log: Option<&DirtyLog>) {
+        if self.batch.is_empty() {
+            return;
+        }
+        self.batch.clear();
+        let Some(areas) = self.areas else {
+            return;
+        };
+        // SAFETY: offset 2 (idx) is inside every used ring and even.
+        let used_idx = unsafe { areas.used_u16(2) };
+        // Release: the elements written in `record` are visible before the index.
+        used_idx.store(self.next_used, Ordering::Release);
+        if let Some(log) = log {
+            log.mark(self.spec.used_addr, u64::from(used_ring_len(self.spec.size)));
+        }
+        // The driver's suppression flags are read after the index store (virtio 2.7.10: a
+        // full barrier), or an interrupt the driver asked for could be missed.
+        fence(Ordering::SeqCst);
+        if self.wants_interrupt(&areas) {
+            if let Some(call) = &self.call {
+                // A full counter (EAGAIN) means it is signalled already.
+                let _ = (&*call).write(&1u64.to_ne_bytes());
+            }
+        }
+    }
+
+    fn wants_interrupt(&mut self, areas: &RingAreas) -> bool {
+        if !self.signalled_once {
+            self.signalled_once = true;
+            return true;
+        }
+        if self.spec.flags & QUEUE_FLAG_EVENT_IDX != 0 {
+            // used_event sits after the avail ring's entries: offset 4 + 2 × size.
+            let offset = u32::from(self.spec.size).saturating_mul(2).saturating_add(4);
+            // SAFETY: offset + 2 = avail_ring_len(size), even.
+            let event = unsafe { areas.avail_u16(offset) }.load(Ordering::Acquire);
+            // vring_need_event: the driver asked to be told once the used index passes it.
+            let new = self.next_used;
+            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(self.batch_start)
+        } else {
+            // SAFETY: offset 0 (flags) is inside every avail ring and even.
+            let flags = unsafe { areas.avail_u16(0) }.load(Ordering::Acquire);
+            u32::from(flags) & VRING_AVAIL_F_NO_INTERRUPT == 0
+        }
+    }
+}
+
+/// The used rings of every queue started on this iothread, and the dirty log.
+#[derive(Default)]
+pub struct UsedRings {
+    queues: Vec<Option<Vring>>,
+    log: Option<DirtyLog>,
+    /// Requests whose used entry could not be written (logged, rate-limited).
+    dropped: u64,
+}
+
+impl UsedRings {
+    /// Starts completing the requests of a queue: `inflight` is its part of the inflight
+    /// region, `call` its call eventfd.
+    pub fn start(
+        &mut self,
+        spec: QueueSpec,
+        inflight: QueueInflight,
+        call: Option<File>,
+        memory: &MemoryTable,
+    ) -> Result<(), VringError> {
+        let geometry = |why| VringError::Geometry {
+            queue: spec.queue,
+            size: spec.size,
+            why,
+        };
+        if spec.queue >= MAX_QUEUES {
+            return Err(geometry("queue index out of range"));
+        }
+        if spec.size == 0 || spec.size > spec.inflight_size {
+            return Err(geometry("ring size is 0 or larger than the inflight region's"));
+        }
+        let areas = RingAreas::resolve(&spec, memory)?;
+        let mut batch = Vec::new();
+        batch
+            .try_reserve_exact(usize::from(spec.size))
+            .map_err(|_| geometry("cannot allocate the batch"))?;
+        let index = usize::from(spec.queue);
+        if self.queues.len() <= index {
+            self.queues.resize_with(index.saturating_add(1), || None);
+        }
+        if let Some(entry) = self.queues.get_mut(index) {
+            *entry = Some(Vring {
+                spec,
+                areas: Some(areas),
+                next_used: spec.next_used,
+                signalled_once: false,
+                call,
+                inflight,
+                batch,
+                batch_start: spec.next_used,
+            });
+        }
+        Ok(())
+    }
+
+    /// Forgets a queue (its requests are done).
+    pub fn stop(&mut self, queue: u16) {
+        if let Some(entry) = self.queues.get_mut(usize::from(queue)) {
+            *entry = None;
+        }
+    }
+
+    /// Replaces a queue's call eventfd.
+    pub fn set_call(&mut self, queue: u16, call: Option<File>) -> bool {
+        match self.queues.get_mut(usize::from(queue)) {
+            Some(Some(vring)) => {
+                vring.call = call;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Starts (`Some`) or stops marking the dirty log.
+    pub fn set_dirty_log(&mut self, log: Option<DirtyLog>) {
+        self.log = log;
+    }
+
+    /// Resolves every queue's rings against a new memory table (called as the table is
+    /// swapped, with no request in flight). A ring the table no longer holds is not written.
+    pub fn remap(&mut self, memory: &MemoryTable) {
+        for vring in self.queues.iter_mut().flatten() {
+            vring.areas = match RingAreas::resolve(&vring.spec, memory) {
+                Ok(areas) => Some(areas),
+                Err(e) => {
+                    warn!("{e}; its requests are no longer completed in guest memory");
+                    None
+                }
+            };
+        }
+    }
+
+    /// A request finished with `status`: writes its status byte, marks the read data and the
+    /// status in the dirty log, and adds it to its queue's batch. `read_segments` is the
+    /// slot's segment count when the request was a read (its data is marked).
+    pub fn complete(
+        &mut self,
+        target: &UsedTarget,
+        status: u32,
+        slot: (&SlotTable, u32, u32),
+        memory: &MemoryTable,
+    ) {
+        let Some(Some(vring)) = self.queues.get_mut(usize::from(target.queue)) else {
+            self.dropped = self.dropped.saturating_add(1);
+            if self.dropped <= 16 || self.dropped.is_power_of_two() {
+                warn!(
+                    "slot {}: queue {} is not started; no used entry ({} so far)",
+                    slot.1, target.queue, self.dropped
+                );
+            }
+            return;
+        };
+        if let Some((region, offset)) = target.status.filter(|(r, _)| *r != NO_STATUS) {
+            match memory.region(region).and_then(|r| r.address(offset, 1)) {
+                Some(ptr) => {
+                    // Statuses are VIRTIO_BLK_S_* (0..=2): the byte holds them.
+                    let byte = u8::try_from(status).unwrap_or(u8::MAX);
+                    // SAFETY: one byte inside a mapped region (checked by `address`); volatile
+                    // through a raw pointer, as the guest shares the memory.
+                    unsafe { ptr.write_volatile(byte) };
+                    if let (Some(log), Some(addr)) =
+                        (&self.log, memory.guest_address(region, offset))
+                    {
+                        log.mark(addr, 1);
+                    }
+                }
+                None => warn!(
+                    "slot {}: status byte at region {region} offset {offset:#x} is outside \
+                     guest memory",
+                    slot.1
+                ),
+            }
+        }
+        if let Some(log) = &self.log {
+            let (slots, slot_number, read_segments) = slot;
+            for index in 0..read_segments {
+                let Ok(segment) = slots.segment(slot_number, index) else {
+                    break;
+                };
+                if let Some(addr) = memory.guest_address(segment.aux, segment.offset) {
+                    log.mark(addr, u64::from(segment.len));
+                }
+            }
+        }
+        if target.head >= vring.spec.size || vring.batch.len() >= usize::from(vring.spec.size) {
+            warn!(
+                "slot {}: head {} does not fit queue {}'s ring; no used entry",
+                slot.1, target.head, target.queue
+            );
+            return;
+        }
+        vring.batch.push((target.head, target.used_len(status)));
+    }
+
+    /// First half of publishing: every batch's used entries are written and recorded in the
+    /// inflight region. The engine publishes its completions next, then calls
+    /// [`UsedRings::commit`].
+    pub fn record(&mut self) {
+        for vring in self.queues.iter_mut().flatten() {
+            if !vring.batch.is_empty() {
+                vring.record();
+            }
+        }
+    }
+
+    /// Second half: the used indices move, and the guests are signalled.
+    pub fn commit(&mut self) {
+        let log = self.log.as_ref();
+        for vring in self.queues.iter_mut().flatten() {
+            vring.commit(log);
+        }
+    }
+
+    /// The used index queue `queue` goes on from (`None` if it is not started).
+    pub fn next_used(&self, queue: u16) -> Option<u16> {
+        match self.queues.get(usize::from(queue)) {
+            Some(Some(vring)) => Some(vring.next_used),
+            _ => None,
+        }
+    }
+}
