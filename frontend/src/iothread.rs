@@ -47,6 +47,8 @@ struct Process {
     /// Readable once the process has exited; signals go through it (no pid reuse race).
     pidfd: OwnedFd,
     control: UnixStream,
+    /// Replies to messages sent without waiting (`SetDirtyLog`), read before the next call's.
+    unread_replies: std::cell::Cell<u32>,
 }
 
 /// One iothread as its frontend worker sees it.
@@ -158,6 +160,7 @@ impl IothreadLink {
             pid: spawned.pid,
             pidfd: spawned.pidfd,
             control: ours,
+            unread_replies: std::cell::Cell::new(0),
         });
         let result = self.setup(memory);
         if result.is_err() {
@@ -200,9 +203,26 @@ impl IothreadLink {
             .process
             .as_ref()
             .ok_or_else(|| self.control_error(ControlError::Closed))?;
+        self.read_unread_replies(process)?;
         control::send_request(&process.control, request, fds)
             .and_then(|()| ControlReply::recv(&process.control))
             .map_err(|e| self.control_error(e))
+    }
+
+    fn read_unread_replies(&self, process: &Process) -> Result<(), IothreadError> {
+        while process.unread_replies.get() > 0 {
+            process
+                .unread_replies
+                .set(process.unread_replies.get().saturating_sub(1));
+            match ControlReply::recv(&process.control) {
+                Ok(()) => {}
+                Err(ControlError::Refused(e)) => {
+                    log::error!("iothread {} refused the dirty log: {e}", self.index);
+                }
+                Err(e) => return Err(self.control_error(e)),
+            }
+        }
+        Ok(())
     }
 
     /// Hands the iothread a new memory table. The caller has made sure that none of this
@@ -250,7 +270,8 @@ impl IothreadLink {
         self.call(&request, &fds)
     }
 
-    /// Starts (`Some`) or stops marking a migration's dirty log in the iothread.
+    /// Starts (`Some`) or stops marking a migration's dirty log in the iothread, waiting for
+    /// the answer (a freshly started iothread, before it is given requests).
     pub fn set_dirty_log(&self, log: Option<&DirtyLog>) -> Result<(), IothreadError> {
         match log {
             Some(log) => self.call(
@@ -259,6 +280,32 @@ impl IothreadLink {
             ),
             None => self.call(&ControlRequest::SetDirtyLog(None), &[]),
         }
+    }
+
+    /// Announces a new dirty log (or none) to a running iothread without waiting for it: the
+    /// message is sent, then the ring's [`blkplane_proto::ring::LogEpoch`] is bumped, which the
+    /// iothread checks before it publishes anything — so the VMM's LOG_ALL is acknowledged at
+    /// once even while the iothread is busy or stopped, and every write of the iothread after
+    /// the acknowledgement is marked. The reply is read before the next call's.
+    pub fn announce_dirty_log(&self, log: Option<&DirtyLog>) -> Result<(), IothreadError> {
+        let process = self
+            .process
+            .as_ref()
+            .ok_or_else(|| self.control_error(ControlError::Closed))?;
+        let (request, fds) = match log {
+            Some(log) => (
+                ControlRequest::SetDirtyLog(Some(log.spec())),
+                vec![log.file().as_raw_fd()],
+            ),
+            None => (ControlRequest::SetDirtyLog(None), Vec::new()),
+        };
+        control::send_request(&process.control, &request, &fds)
+            .map_err(|e| self.control_error(e))?;
+        process
+            .unread_replies
+            .set(process.unread_replies.get().saturating_add(1));
+        self.ring.log_epoch().bump();
+        Ok(())
     }
 
     /// Kills the process (if any) and waits for it, so that none of its I/O is still

@@ -657,7 +657,7 @@ impl Worker {
                 let _ = reply.send(());
             }
             Command::SetDirtyLog { log, reply } => {
-                if let Err(e) = self.link.set_dirty_log(log.as_deref()) {
+                if let Err(e) = self.link.announce_dirty_log(log.as_deref()) {
                     // A dead iothread's successor gets the log when it starts; one that
                     // refuses it cannot mark what it writes, which the VMM must hear of.
                     error!("worker {}: handing the dirty log over: {e}", self.index);

@@ -51,8 +51,10 @@ use blkplane_proto::control::{
 use blkplane_proto::dirty_log::DirtyLog;
 use blkplane_proto::inflight::{region_size, InflightRegion, Limits};
 use blkplane_proto::ring::{
-    Completion, Consumer, Opcode, Producer, RingCounters, RingError, SharedRing, SlotTable,
+    Completion, Consumer, LogEpoch, Opcode, Producer, RingCounters, RingError, SharedRing,
+    SlotTable,
 };
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use io_uring::register::Restriction;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
@@ -240,6 +242,13 @@ struct Core {
     targets: Vec<(UsedTarget, u32)>,
     /// The used rings this iothread writes.
     vrings: UsedRings,
+    /// The frontend's dirty-log epoch, and the last one acted on.
+    log_epoch: LogEpoch,
+    log_epoch_seen: u32,
+    /// The control socket (non-blocking), for reading a `SetDirtyLog` the epoch announces.
+    control: Option<UnixStream>,
+    /// A poll of the control socket is queued or in flight.
+    control_poll_armed: bool,
 }
 
 /// The most preadv/pwritev calls one inline transfer may take (each moving some bytes) before
@@ -331,6 +340,10 @@ impl Engine {
                 counters: ring.counters(),
                 targets,
                 vrings: UsedRings::default(),
+                log_epoch_seen: ring.log_epoch().load(),
+                log_epoch: ring.log_epoch(),
+                control: None,
+                control_poll_armed: false,
             },
         })
     }
@@ -339,8 +352,12 @@ impl Engine {
     /// an error.
     pub fn run(mut self, control: &UnixStream) -> Result<Exit, EngineError> {
         self.core.control_fd = control.as_raw_fd();
+        // Non-blocking on this side only: a poll says when to read, and a dirty-log epoch may
+        // send the engine to read before its poll fired (or find nothing after it did).
+        control.set_nonblocking(true).map_err(EngineError::ControlPoll)?;
+        self.core.control = Some(control.try_clone().map_err(EngineError::ControlPoll)?);
         self.core.pending.push_back(Token::SubmitRead);
-        self.core.pending.push_back(Token::ControlPoll);
+        self.core.arm_control_poll();
         loop {
             if self.core.held.is_none() {
                 self.core.take_new_work()?;
@@ -730,7 +747,10 @@ impl Core {
             },
             // Re-armed once the message has been handled.
             Some(Token::ControlPoll) => match errno {
-                0 => self.control_ready = true,
+                0 => {
+                    self.control_poll_armed = false;
+                    self.control_ready = true;
+                }
                 _ if retry => self.pending.push_back(Token::ControlPoll),
                 _ => {
                     return Err(EngineError::ControlPoll(io::Error::from_raw_os_error(
@@ -766,15 +786,22 @@ impl Core {
     }
 
     /// Publishes the batch: used entries and inflight records first, then the completions
-    /// (waking the frontend if it waits for them), then the used indices and interrupts — so
-    /// the frontend sees a completion before the driver can see its head used.
+    /// (waking the frontend if it waits for them), then the used indices; last, what the batch
+    /// wrote is marked in the dirty log and the guests are signalled — so the frontend sees a
+    /// completion before the driver can see its head used, and every mark follows its write.
     fn publish(&mut self) {
         if self.completions.unpublished() == 0 {
             return;
         }
         self.vrings.record();
         let wake = self.completions.publish();
-        self.vrings.commit();
+        self.follow_log_epoch();
+        self.vrings.publish_indices();
+        // Orders the index stores before the epoch check (see LogEpoch) and before the reads
+        // of the drivers' interrupt suppression.
+        fence(Ordering::SeqCst);
+        self.follow_log_epoch();
+        self.vrings.finish(&self.slots, &self.memory);
         if !wake {
             return;
         }
@@ -786,79 +813,129 @@ impl Core {
         }
     }
 
-    /// Reads one control message: answers it at once, or holds a `SetMemoryTable` or
-    /// `Shutdown` until no request is in flight. Returns how to exit if it ends the engine.
-    fn receive_control(&mut self, control: &UnixStream) -> Result<Option<Exit>, EngineError> {
-        self.control_ready = false;
-        let (request, files) = match control::recv_request(control) {
-            Ok(message) => message,
-            Err(ControlError::Closed) => return Ok(Some(Exit::PeerClosed)),
-            Err(e) => return Err(EngineError::Control(e)),
-        };
-        match request {
-            ControlRequest::SetMemoryTable(_) | ControlRequest::Shutdown => {
-                self.held = Some((request, files));
-                if self.in_flight == 0 {
-                    return self.handle_held(control);
-                }
-                Ok(None)
-            }
-            ControlRequest::Setup { .. } => {
-                warn!("refusing a second Setup");
-                self.reply(control, ControlReply(libc::EINVAL))
-            }
-            ControlRequest::StartQueue(spec) => {
-                let reply = self.start_queue(spec, files);
-                self.reply(control, reply)
-            }
-            ControlRequest::StopQueue { queue } => {
-                self.vrings.stop(queue);
-                self.reply(control, ControlReply::OK)
-            }
-            ControlRequest::SetCall { queue, .. } => {
-                let known = self.vrings.set_call(queue, files.into_iter().next());
-                self.reply(
-                    control,
-                    if known {
-                        ControlReply::OK
-                    } else {
-                        ControlReply(libc::ENOENT)
-                    },
-                )
-            }
-            ControlRequest::SetDirtyLog(spec) => {
-                let reply = match (spec, files.into_iter().next()) {
-                    (Some(spec), Some(file)) => match DirtyLog::new(&file, spec.size, spec.offset)
-                    {
-                        Ok(log) => {
-                            info!("dirty log on: {} bytes of bitmap", spec.size);
-                            self.vrings.set_dirty_log(Some(log));
-                            ControlReply::OK
-                        }
-                        Err(e) => {
-                            warn!("refusing the dirty log: {e}");
-                            ControlReply(libc::EINVAL)
-                        }
-                    },
-                    _ => {
-                        info!("dirty log off");
-                        self.vrings.set_dirty_log(None);
-                        ControlReply::OK
+    /// When the frontend announced a `SetDirtyLog` (its epoch moved), reads the control
+    /// socket now, so the log is in place before this batch is marked.
+    fn follow_log_epoch(&mut self) {
+        let epoch = self.log_epoch.load();
+        if epoch == self.log_epoch_seen {
+            return;
+        }
+        self.log_epoch_seen = epoch;
+        while self.held.is_none() {
+            match self.read_control() {
+                Ok(Some((request, files))) => {
+                    if let Err(e) = self.handle_message(request, files) {
+                        warn!("control message: {e}");
+                        return;
                     }
-                };
-                self.reply(control, reply)
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    // The poll reports the same error and ends the engine there.
+                    debug!("reading the control socket for the dirty log: {e}");
+                    return;
+                }
             }
         }
     }
 
-    fn reply(
-        &mut self,
-        control: &UnixStream,
-        reply: ControlReply,
-    ) -> Result<Option<Exit>, EngineError> {
-        reply.send(control).map_err(EngineError::Control)?;
-        self.pending.push_back(Token::ControlPoll);
+    fn arm_control_poll(&mut self) {
+        if !self.control_poll_armed {
+            self.control_poll_armed = true;
+            self.pending.push_back(Token::ControlPoll);
+        }
+    }
+
+    /// One control message, or `None` if none is waiting.
+    fn read_control(&self) -> Result<Option<(ControlRequest, Vec<File>)>, ControlError> {
+        let Some(control) = &self.control else {
+            return Ok(None);
+        };
+        match control::recv_request(control) {
+            Ok(message) => Ok(Some(message)),
+            Err(ControlError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads the control message the poll announced. Returns how to exit if it ends the
+    /// engine.
+    fn receive_control(&mut self, control: &UnixStream) -> Result<Option<Exit>, EngineError> {
+        self.control_ready = false;
+        let message = match self.read_control() {
+            Ok(message) => message,
+            Err(ControlError::Closed) => return Ok(Some(Exit::PeerClosed)),
+            Err(e) => return Err(EngineError::Control(e)),
+        };
+        if let Some((request, files)) = message {
+            self.handle_message(request, files)?;
+        }
+        if self.held.is_some() {
+            if self.in_flight == 0 {
+                return self.handle_held(control);
+            }
+            // Re-armed once the held message is answered.
+            return Ok(None);
+        }
+        self.arm_control_poll();
         Ok(None)
+    }
+
+    /// Answers a message at once, or holds a `SetMemoryTable` or `Shutdown` until no request
+    /// is in flight.
+    fn handle_message(
+        &mut self,
+        request: ControlRequest,
+        files: Vec<File>,
+    ) -> Result<(), EngineError> {
+        let reply = match request {
+            ControlRequest::SetMemoryTable(_) | ControlRequest::Shutdown => {
+                self.held = Some((request, files));
+                return Ok(());
+            }
+            ControlRequest::Setup { .. } => {
+                warn!("refusing a second Setup");
+                ControlReply(libc::EINVAL)
+            }
+            ControlRequest::StartQueue(spec) => self.start_queue(spec, files),
+            ControlRequest::StopQueue { queue } => {
+                self.vrings.stop(queue);
+                ControlReply::OK
+            }
+            ControlRequest::SetCall { queue, .. } => {
+                if self.vrings.set_call(queue, files.into_iter().next()) {
+                    ControlReply::OK
+                } else {
+                    ControlReply(libc::ENOENT)
+                }
+            }
+            ControlRequest::SetDirtyLog(spec) => match (spec, files.into_iter().next()) {
+                (Some(spec), Some(file)) => match DirtyLog::new(&file, spec.size, spec.offset) {
+                    Ok(log) => {
+                        info!("dirty log on: {} bytes of bitmap", spec.size);
+                        self.vrings.set_dirty_log(Some(log));
+                        ControlReply::OK
+                    }
+                    Err(e) => {
+                        warn!("refusing the dirty log: {e}");
+                        ControlReply(libc::EINVAL)
+                    }
+                },
+                _ => {
+                    info!("dirty log off");
+                    self.vrings.set_dirty_log(None);
+                    ControlReply::OK
+                }
+            },
+        };
+        self.send_reply(reply)
+    }
+
+    fn send_reply(&self, reply: ControlReply) -> Result<(), EngineError> {
+        match &self.control {
+            Some(control) => reply.send(control).map_err(EngineError::Control),
+            None => Ok(()),
+        }
     }
 
     /// Maps the queue's part of the inflight region and starts completing its requests.
@@ -932,7 +1009,9 @@ impl Core {
             }
             _ => ControlReply(libc::EINVAL),
         };
-        self.reply(control, reply)
+        self.send_reply(reply)?;
+        self.arm_control_poll();
+        Ok(None)
     }
 }
 

@@ -5,11 +5,14 @@
 //! signals the guest's call eventfd (at most once per queue and batch, honouring
 //! `VIRTIO_RING_F_EVENT_IDX` or the avail ring's `VRING_AVAIL_F_NO_INTERRUPT`).
 //!
-//! A batch is published in two steps around the completion queue's publication
+//! A batch is published in steps around the completion queue's publication
 //! ([`UsedRings::record`], then the engine publishes its completions, then
-//! [`UsedRings::commit`]): the used entries are written and the inflight region records the
-//! batch first, the frontend's completions become visible next, and only then does the used
-//! index in guest memory move. So whenever the driver has seen a head used and made it
+//! [`UsedRings::publish_indices`] and [`UsedRings::finish`]): the used entries are written and
+//! the inflight region records the batch first, the frontend's completions become visible
+//! next, and only then does the used index in guest memory move. What the batch wrote (read
+//! data, status bytes, the used ring) is marked in the dirty log last, after every write it
+//! stands for; the frontend waits for that through a control-socket round trip before it lets a
+//! ring stop (GET_VRING_BASE), which is when the VMM takes its last look at the log. So whenever the driver has seen a head used and made it
 //! available again, the frontend can already see that head's completion (it would otherwise
 //! take the head for a driver reusing a request still in flight), and the head's inflight flag
 //! is already cleared (the frontend's next mark of it can never be undone by a late clear).
@@ -22,7 +25,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::sync::atomic::{fence, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, Ordering};
 
 use blkplane_proto::control::{QueueSpec, QUEUE_FLAG_EVENT_IDX};
 use blkplane_proto::dirty_log::DirtyLog;
@@ -92,10 +95,22 @@ struct Vring {
     signalled_once: bool,
     call: Option<File>,
     inflight: QueueInflight,
-    /// Heads and used lengths of the batch being collected (capacity: the ring size).
-    batch: Vec<(u16, u32)>,
+    /// The batch being collected (capacity: the ring size).
+    batch: Vec<Finished>,
     /// The used index before the batch was recorded (for EVENT_IDX).
     batch_start: u16,
+}
+
+/// A request on its way to the used ring.
+#[derive(Clone, Copy)]
+struct Finished {
+    head: u16,
+    used_len: u32,
+    /// Its slot, whose segments are read data to mark when `read_segments` > 0.
+    slot: u32,
+    read_segments: u32,
+    /// Guest-physical address of the status byte written, if one was.
+    status_addr: Option<u64>,
 }
 
 /// The bytes of the used ring: flags, idx, the elements and avail_event.
@@ -160,7 +175,12 @@ impl Vring {
         let size = self.spec.size;
         self.batch_start = self.next_used;
         let mut index = self.next_used;
-        for &(head, len) in &self.batch {
+        for &Finished {
+            head,
+            used_len: len,
+            ..
+        } in &self.batch
+        {
             // `index % size` < size, so the element lies inside the used ring checked by
             // `resolve`: offset 4 + 8 × slot + 8 <= used_ring_len(size).
             let slot = u32::from(index.checked_rem(size).unwrap_or(0));
@@ -177,16 +197,15 @@ impl Vring {
             index = index.wrapping_add(1);
         }
         self.inflight
-            .record_batch(self.batch.iter().map(|&(head, _)| head), index);
+            .record_batch(self.batch.iter().map(|f| f.head), index);
         self.next_used = index;
     }
 
-    /// Publishes the recorded batch: the used index, the dirty log, the interrupt.
-    fn commit(&mut self, log: Option<&DirtyLog>) {
+    /// Moves the used index past the recorded batch.
+    fn publish_index(&self) {
         if self.batch.is_empty() {
             return;
         }
-        self.batch.clear();
         let Some(areas) = self.areas else {
             return;
         };
@@ -194,12 +213,39 @@ impl Vring {
         let used_idx = unsafe { areas.used_u16(2) };
         // Release: the elements written in `record` are visible before the index.
         used_idx.store(self.next_used, Ordering::Release);
-        if let Some(log) = log {
-            log.mark(self.spec.used_addr, u64::from(used_ring_len(self.spec.size)));
+    }
+
+    /// After the used index moved (and a full fence): marks what the batch wrote in the dirty
+    /// log and signals the guest if it wants it.
+    fn finish(&mut self, log: Option<&DirtyLog>, slots: &SlotTable, memory: &MemoryTable) {
+        if self.batch.is_empty() {
+            return;
         }
+        if let Some(log) = log {
+            for finished in &self.batch {
+                if let Some(addr) = finished.status_addr {
+                    log.mark(addr, 1);
+                }
+                for index in 0..finished.read_segments {
+                    let Ok(segment) = slots.segment(finished.slot, index) else {
+                        break;
+                    };
+                    if let Some(addr) = memory.guest_address(segment.aux, segment.offset) {
+                        log.mark(addr, u64::from(segment.len));
+                    }
+                }
+            }
+            if self.areas.is_some() {
+                log.mark(self.spec.used_addr, u64::from(used_ring_len(self.spec.size)));
+            }
+        }
+        self.batch.clear();
+        let Some(areas) = self.areas else {
+            return;
+        };
         // The driver's suppression flags are read after the index store (virtio 2.7.10: a
-        // full barrier), or an interrupt the driver asked for could be missed.
-        fence(Ordering::SeqCst);
+        // full barrier, which the caller issued), or an interrupt it asked for could be
+        // missed.
         if self.wants_interrupt(&areas) {
             if let Some(call) = &self.call {
                 // A full counter (EAGAIN) means it is signalled already.
@@ -320,9 +366,9 @@ impl UsedRings {
         }
     }
 
-    /// A request finished with `status`: writes its status byte, marks the read data and the
-    /// status in the dirty log, and adds it to its queue's batch. `read_segments` is the
-    /// slot's segment count when the request was a read (its data is marked).
+    /// A request finished with `status`: writes its status byte and adds it to its queue's
+    /// batch. `slot` is the ring's slot table, the slot and, for a read, how many of its
+    /// segments are data to mark in the dirty log.
     pub fn complete(
         &mut self,
         target: &UsedTarget,
@@ -330,16 +376,18 @@ impl UsedRings {
         slot: (&SlotTable, u32, u32),
         memory: &MemoryTable,
     ) {
+        let (_, slot_number, read_segments) = slot;
         let Some(Some(vring)) = self.queues.get_mut(usize::from(target.queue)) else {
             self.dropped = self.dropped.saturating_add(1);
             if self.dropped <= 16 || self.dropped.is_power_of_two() {
                 warn!(
-                    "slot {}: queue {} is not started; no used entry ({} so far)",
-                    slot.1, target.queue, self.dropped
+                    "slot {slot_number}: queue {} is not started; no used entry ({} so far)",
+                    target.queue, self.dropped
                 );
             }
             return;
         };
+        let mut status_addr = None;
         if let Some((region, offset)) = target.status.filter(|(r, _)| *r != NO_STATUS) {
             match memory.region(region).and_then(|r| r.address(offset, 1)) {
                 Some(ptr) => {
@@ -348,38 +396,28 @@ impl UsedRings {
                     // SAFETY: one byte inside a mapped region (checked by `address`); volatile
                     // through a raw pointer, as the guest shares the memory.
                     unsafe { ptr.write_volatile(byte) };
-                    if let (Some(log), Some(addr)) =
-                        (&self.log, memory.guest_address(region, offset))
-                    {
-                        log.mark(addr, 1);
-                    }
+                    status_addr = memory.guest_address(region, offset);
                 }
                 None => warn!(
-                    "slot {}: status byte at region {region} offset {offset:#x} is outside \
-                     guest memory",
-                    slot.1
+                    "slot {slot_number}: status byte at region {region} offset {offset:#x} is \
+                     outside guest memory"
                 ),
-            }
-        }
-        if let Some(log) = &self.log {
-            let (slots, slot_number, read_segments) = slot;
-            for index in 0..read_segments {
-                let Ok(segment) = slots.segment(slot_number, index) else {
-                    break;
-                };
-                if let Some(addr) = memory.guest_address(segment.aux, segment.offset) {
-                    log.mark(addr, u64::from(segment.len));
-                }
             }
         }
         if target.head >= vring.spec.size || vring.batch.len() >= usize::from(vring.spec.size) {
             warn!(
-                "slot {}: head {} does not fit queue {}'s ring; no used entry",
-                slot.1, target.head, target.queue
+                "slot {slot_number}: head {} does not fit queue {}'s ring; no used entry",
+                target.head, target.queue
             );
             return;
         }
-        vring.batch.push((target.head, target.used_len(status)));
+        vring.batch.push(Finished {
+            head: target.head,
+            used_len: target.used_len(status),
+            slot: slot_number,
+            read_segments,
+            status_addr,
+        });
     }
 
     /// First half of publishing: every batch's used entries are written and recorded in the
@@ -393,11 +431,19 @@ impl UsedRings {
         }
     }
 
-    /// Second half: the used indices move, and the guests are signalled.
-    pub fn commit(&mut self) {
+    /// Second: the used indices move.
+    pub fn publish_indices(&self) {
+        for vring in self.queues.iter().flatten() {
+            vring.publish_index();
+        }
+    }
+
+    /// Last, after a full fence: what each batch wrote is marked in the dirty log (when
+    /// logging is on) and each guest that wants it is signalled once.
+    pub fn finish(&mut self, slots: &SlotTable, memory: &MemoryTable) {
         let log = self.log.as_ref();
         for vring in self.queues.iter_mut().flatten() {
-            vring.commit(log);
+            vring.finish(log, slots, memory);
         }
     }
 

@@ -51,6 +51,9 @@ pub const HEADER_SIZE: u64 = 4096;
 /// Offset in the header page of the iothread's [`RingCounters`], on a cache line of their own
 /// after [`RingHeader`].
 pub const COUNTERS_OFFSET: u64 = 1024;
+/// Offset in the header page of the dirty-log epoch ([`LogEpoch`]), on its own cache line
+/// after the counters.
+pub const LOG_EPOCH_OFFSET: u64 = 1088;
 /// The largest number of segments a slot may hold; bounds the memfd size.
 pub const MAX_SEGMENTS_PER_SLOT: u32 = 4096;
 /// The largest number of slots a ring may have (all queues of an iothread × queue size).
@@ -240,7 +243,40 @@ pub struct RingHeader {
 }
 
 const _: () = assert!(size_of::<RingHeader>() as u64 <= COUNTERS_OFFSET);
-const _: () = assert!(COUNTERS_OFFSET + size_of::<CounterBlock>() as u64 <= HEADER_SIZE);
+const _: () = assert!(COUNTERS_OFFSET + size_of::<CounterBlock>() as u64 <= LOG_EPOCH_OFFSET);
+const _: () = assert!(LOG_EPOCH_OFFSET + 64 <= HEADER_SIZE);
+
+/// How the frontend tells its iothread that a `SetDirtyLog` is on the control socket without
+/// waiting for it to be read: it sends the message, then bumps this counter. The iothread
+/// compares it with the last value it acted on before it publishes used indices (and again
+/// after, behind a full fence) and reads its control socket when it changed. So a write the
+/// iothread makes after the frontend acknowledged LOG_ALL is marked: either the iothread saw
+/// the new epoch before marking, or the write came before the bump, and so before the
+/// acknowledgement — and an iothread the frontend cannot reach at once (stopped, busy) does not
+/// hold up the VMM.
+#[derive(Clone)]
+pub struct LogEpoch {
+    mapping: Arc<Mapping>,
+}
+
+impl LogEpoch {
+    fn cell(&self) -> &AtomicU32 {
+        // SAFETY: LOG_EPOCH_OFFSET + 4 lies inside the header page (asserted above), which
+        // every ring mapping covers; it is 64-byte aligned and only accessed atomically.
+        unsafe { &*self.mapping.at::<AtomicU32>(LOG_EPOCH_OFFSET) }
+    }
+
+    /// The frontend: a `SetDirtyLog` was sent.
+    pub fn bump(&self) {
+        let cell = self.cell();
+        cell.store(cell.load(Ordering::Relaxed).wrapping_add(1), Ordering::SeqCst);
+    }
+
+    /// The current epoch (SeqCst: ordered after the iothread's writes before it).
+    pub fn load(&self) -> u32 {
+        self.cell().load(Ordering::SeqCst)
+    }
+}
 
 /// The counters at [`COUNTERS_OFFSET`]: zero in a new ring (a fresh memfd), kept across the
 /// iothreads that serve it in turn.
@@ -534,6 +570,13 @@ impl SharedRing {
     /// The iothread's counters (see [`RingCounters`]).
     pub fn counters(&self) -> RingCounters {
         RingCounters {
+            mapping: Arc::clone(&self.mapping),
+        }
+    }
+
+    /// The dirty-log epoch (see [`LogEpoch`]).
+    pub fn log_epoch(&self) -> LogEpoch {
+        LogEpoch {
             mapping: Arc::clone(&self.mapping),
         }
     }
