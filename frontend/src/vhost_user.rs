@@ -29,13 +29,13 @@ use vm_memory::GuestAddress;
 
 use crate::backend_channel::BackendChannel;
 use crate::config::{DiskConfig, MAX_MEM_SLOTS, MAX_QUEUE_SIZE};
-use blkplane_proto::dirty_log::DirtyLog;
 use crate::image::Image;
-use blkplane_proto::inflight::{self, InflightRegion};
 use crate::lifecycle;
 use crate::memory::{MemoryTable, RegionDescriptor};
 use crate::stats::DeviceStatus;
 use crate::worker::{Command, VringStart, WorkerHandle};
+use blkplane_proto::dirty_log::DirtyLog;
+use blkplane_proto::inflight::{self, InflightRegion};
 
 /// Setup state of one ring as the VMM has described it so far.
 #[derive(Default)]

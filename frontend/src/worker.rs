@@ -37,14 +37,14 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::DiskConfig;
 use crate::iothread::{IothreadError, IothreadLink};
-use blkplane_proto::control::ControlError;
-use blkplane_proto::dirty_log::DirtyLog;
-use blkplane_proto::inflight::QueueInflight;
 use crate::memory::MemoryTable;
 use crate::poll::AdaptivePoll;
 use crate::request::{self, ChainError, Rejected, RequestKind};
 use crate::stats::{DeviceStatus, QueueCounters};
 use crate::throttle::{self, DiskThrottle, Throttler};
+use blkplane_proto::control::ControlError;
+use blkplane_proto::dirty_log::DirtyLog;
+use blkplane_proto::inflight::QueueInflight;
 
 const TOKEN_COMMAND: u64 = u64::MAX;
 const TOKEN_COMPLETION: u64 = u64::MAX - 1;
@@ -195,6 +195,7 @@ impl WorkerHandle {
             paused: false,
             dirty_log: None,
             throttler: Throttler::new(slot_count)?,
+            iothread_broken: false,
         };
         worker.scratch.reserve(
             usize::from(worker.disk.queue_size)
@@ -362,6 +363,8 @@ struct Worker {
     dirty_log: Option<Arc<DirtyLog>>,
     /// The I/O limits and the requests waiting for them.
     throttler: Throttler,
+    /// The iothread broke the completion queue's rules: it is replaced by the event loop.
+    iothread_broken: bool,
 }
 
 /// Takes the next available head off the avail ring. An avail index more than a queue size
@@ -492,7 +495,7 @@ impl Worker {
                 }
             }
             self.flush_submissions();
-            if iothread_died {
+            if iothread_died || std::mem::take(&mut self.iothread_broken) {
                 self.restart_iothread();
             }
         }
@@ -630,7 +633,10 @@ impl Worker {
                         rq.call = call;
                         let local16 = u16::try_from(local).unwrap_or(u16::MAX);
                         if let Err(e) = self.link.set_call(local16, rq.call.as_ref()) {
-                            warn!("worker {}: new call eventfd of queue {queue}: {e}", self.index);
+                            warn!(
+                                "worker {}: new call eventfd of queue {queue}: {e}",
+                                self.index
+                            );
                         }
                     }
                 }
@@ -701,9 +707,15 @@ impl Worker {
         let rq = self.queues.get_mut(local)?.take()?;
         self.unwatch(rq.kick.as_raw_fd());
         self.set_queue_flags(local, false, false);
-        if let Err(e) = self.link.stop_queue(u16::try_from(local).unwrap_or(u16::MAX)) {
+        if let Err(e) = self
+            .link
+            .stop_queue(u16::try_from(local).unwrap_or(u16::MAX))
+        {
             // A dead iothread's successor is never handed a stopped ring.
-            warn!("worker {}: stopping queue {local} on the iothread: {e}", self.index);
+            warn!(
+                "worker {}: stopping queue {local} on the iothread: {e}",
+                self.index
+            );
         }
         Some(rq.queue.next_avail())
     }
@@ -843,16 +855,23 @@ impl Worker {
             return self.break_queue(local, "avail ring names a head outside the table");
         }
         // Checked before anything completes the head: completing it would return the chain
-        // that is still in flight. (The iothread publishes a completion before the used entry
-        // that lets the driver reuse the head, and completions were read before this pop.)
-        let slot = u32::try_from(local)
+        // that is still in flight. The iothread completes concurrently, and publishes a
+        // completion before the used index that lets the driver reuse the head: a head that
+        // looks in flight is looked up again after reading the completions published since.
+        let Some(slot) = u32::try_from(local)
             .ok()
             .and_then(|local| local.checked_mul(u32::from(self.disk.queue_size)))
             .and_then(|first| first.checked_add(u32::from(head)))
-            .filter(|&slot| self.slots.get(slot as usize).is_some_and(|s| !s.in_flight));
-        let Some(slot) = slot else {
-            return self.break_queue(local, "driver made an in-flight head available again");
+        else {
+            return self.break_queue(local, "avail ring names a head outside the table");
         };
+        let busy = |w: &Self| w.slots.get(slot as usize).is_none_or(|s| s.in_flight);
+        if busy(self) && self.reap_completions().is_err() {
+            self.iothread_broken = true;
+        }
+        if busy(self) {
+            return self.break_queue(local, "driver made an in-flight head available again");
+        }
         // From here on every path ends in a slot for the iothread, which puts the head on the
         // used ring; until then a crash leaves the head marked and the next process
         // resubmits it.
@@ -904,10 +923,18 @@ impl Worker {
             if let Some(counters) = self.counters(local) {
                 counters.answered(u32::from(status) == VIRTIO_BLK_S_OK);
             }
-            return self.answer(local, slot, head, Some((request.status, status)), used, memory);
+            return self.answer(
+                local,
+                slot,
+                head,
+                Some((request.status, status)),
+                used,
+                memory,
+            );
         };
         // The parser checked that the status byte lies in guest memory.
-        let (status_region, status_offset) = memory.locate(request.status).unwrap_or((NO_STATUS, 0));
+        let (status_region, status_offset) =
+            memory.locate(request.status).unwrap_or((NO_STATUS, 0));
         header.queue = u16::try_from(local).unwrap_or(u16::MAX);
         header.head = head;
         header.status_region = status_region;
@@ -1005,7 +1032,10 @@ impl Worker {
             .set_header(slot, header)
             .and_then(|()| self.link.submissions.push(slot));
         if let Err(e) = pushed {
-            error!("worker {}: cannot submit answer slot {slot}: {e}", self.index);
+            error!(
+                "worker {}: cannot submit answer slot {slot}: {e}",
+                self.index
+            );
             return self.break_queue(local, "its answer could not be submitted");
         }
         self.track(

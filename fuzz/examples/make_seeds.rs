@@ -255,7 +255,7 @@ fn inflight_seeds() -> Vec<(String, Vec<u8>)> {
             input(256, 256, 9, 9, inflight::LARGER | inflight::OFFSET, &[]),
         ),
         ("in_flight".into(), input(16, 16, 5, 8, 0, &in_flight)),
-        ("completed_batch".into(), input(16, 16, 7, 8, 0, &batch)),
+        ("repaired_batch".into(), input(16, 16, 7, 8, 0, &batch)),
         ("hostile_heads".into(), input(16, 8, 2, 4, 0, &hostile)),
         ("bad_version".into(), input(16, 16, 0, 0, 0, &bad_version)),
         (

@@ -111,13 +111,12 @@ fn run(files: &Files, input: &Input) {
         None => assert!(heads.is_empty()),
     }
 
-    // The worker resubmits each head and completes it (a batch of one each).
+    // The worker resubmits each head and the iothread completes it (a batch of one each).
     let mut used = input.used_idx;
     for &head in heads {
         tracker.mark(head);
-        tracker.before_used(head);
         used = used.wrapping_add(1);
-        tracker.after_used(head, used);
+        tracker.record_batch([head], used);
     }
     // A frontend started after that finds nothing in flight. (It would map the region
     // again; the same mapping reads the same shared memory and costs no mmap per run.)

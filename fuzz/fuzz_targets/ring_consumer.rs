@@ -127,7 +127,11 @@ fn run(memory: &MemoryTable, input: &Input) {
             };
             if let Some(status) = status {
                 completions
-                    .push(Completion { slot, status })
+                    .push(Completion {
+                        slot,
+                        status,
+                        completed_ns: 0,
+                    })
                     .map_err(|_| "completion queue full")?;
             }
         }

@@ -54,11 +54,11 @@ use blkplane_proto::ring::{
     Completion, Consumer, LogEpoch, Opcode, Producer, RingCounters, RingError, SharedRing,
     SlotTable,
 };
-use std::sync::atomic::{fence, Ordering};
-use std::sync::Arc;
 use io_uring::register::Restriction;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use log::{debug, error, info, warn};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 
 use crate::image::Image;
@@ -354,7 +354,9 @@ impl Engine {
         self.core.control_fd = control.as_raw_fd();
         // Non-blocking on this side only: a poll says when to read, and a dirty-log epoch may
         // send the engine to read before its poll fired (or find nothing after it did).
-        control.set_nonblocking(true).map_err(EngineError::ControlPoll)?;
+        control
+            .set_nonblocking(true)
+            .map_err(EngineError::ControlPoll)?;
         self.core.control = Some(control.try_clone().map_err(EngineError::ControlPoll)?);
         self.core.pending.push_back(Token::SubmitRead);
         self.core.arm_control_poll();
@@ -944,7 +946,9 @@ impl Core {
         let Some(region_file) = files.next() else {
             return ControlReply(libc::EINVAL);
         };
-        let call = (spec.flags & QUEUE_FLAG_CALL != 0).then(|| files.next()).flatten();
+        let call = (spec.flags & QUEUE_FLAG_CALL != 0)
+            .then(|| files.next())
+            .flatten();
         let limits = Limits {
             max_queues: spec.inflight_queues,
             max_queue_size: spec.inflight_size,

@@ -319,7 +319,10 @@ pub(crate) mod tests {
             table.translate(second + 8, 4),
             table.region(1).unwrap().address(8, 4)
         );
-        assert!(table.translate(4090, 8).is_none(), "crosses the first's end");
+        assert!(
+            table.translate(4090, 8).is_none(),
+            "crosses the first's end"
+        );
         assert!(table.translate(second + 4095, 2).is_none());
         assert!(table.translate(u64::MAX, 1).is_none());
         assert_eq!(table.guest_address(1, 10), Some(second + 10));

@@ -549,7 +549,11 @@ mod tests {
             used_len: 21,
             ..Default::default()
         });
-        assert_eq!(get_id.used_len(VIRTIO_BLK_S_IOERR), 21, "an answer's length holds");
+        assert_eq!(
+            get_id.used_len(VIRTIO_BLK_S_IOERR),
+            21,
+            "an answer's length holds"
+        );
     }
 
     #[test]

@@ -236,7 +236,10 @@ impl Vring {
                 }
             }
             if self.areas.is_some() {
-                log.mark(self.spec.used_addr, u64::from(used_ring_len(self.spec.size)));
+                log.mark(
+                    self.spec.used_addr,
+                    u64::from(used_ring_len(self.spec.size)),
+                );
             }
         }
         self.batch.clear();
@@ -261,7 +264,9 @@ impl Vring {
         }
         if self.spec.flags & QUEUE_FLAG_EVENT_IDX != 0 {
             // used_event sits after the avail ring's entries: offset 4 + 2 × size.
-            let offset = u32::from(self.spec.size).saturating_mul(2).saturating_add(4);
+            let offset = u32::from(self.spec.size)
+                .saturating_mul(2)
+                .saturating_add(4);
             // SAFETY: offset + 2 = avail_ring_len(size), even.
             let event = unsafe { areas.avail_u16(offset) }.load(Ordering::Acquire);
             // vring_need_event: the driver asked to be told once the used index passes it.
@@ -303,7 +308,9 @@ impl UsedRings {
             return Err(geometry("queue index out of range"));
         }
         if spec.size == 0 || spec.size > spec.inflight_size {
-            return Err(geometry("ring size is 0 or larger than the inflight region's"));
+            return Err(geometry(
+                "ring size is 0 or larger than the inflight region's",
+            ));
         }
         let areas = RingAreas::resolve(&spec, memory)?;
         let mut batch = Vec::new();

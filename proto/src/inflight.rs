@@ -887,7 +887,11 @@ mod tests {
         q.mark(16);
         q.mark(u16::MAX);
         q.record_batch([u16::MAX, 16], 9);
-        assert_eq!(q.repair_last_batch(16, 8), 0, "the list leaves the ring at once");
+        assert_eq!(
+            q.repair_last_batch(16, 8),
+            0,
+            "the list leaves the ring at once"
+        );
     }
 
     #[test]
@@ -930,7 +934,11 @@ mod tests {
         let mut q = reopen(&file, 1, 8).queue(0).unwrap();
         let got = q.recover(8, 100, 103).unwrap();
         assert_eq!(got.repaired_batch, 2);
-        assert_eq!(got.resubmit, vec![1, 2, 3], "marked again, in counter order");
+        assert_eq!(
+            got.resubmit,
+            vec![1, 2, 3],
+            "marked again, in counter order"
+        );
         assert_eq!(got.next_avail, Some(103));
         assert_eq!(q.load16(OFF_USED_IDX), 100);
 
@@ -990,7 +998,11 @@ mod tests {
         assert_eq!(got.repaired_batch, 3);
         assert_eq!(got.resubmit, vec![7]);
         assert_eq!(got.next_avail, Some(4));
-        assert_eq!(q.load16(OFF_VERSION), VERSION, "written in the new order from now on");
+        assert_eq!(
+            q.load16(OFF_VERSION),
+            VERSION,
+            "written in the new order from now on"
+        );
     }
 
     #[test]

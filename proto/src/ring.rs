@@ -269,7 +269,10 @@ impl LogEpoch {
     /// The frontend: a `SetDirtyLog` was sent.
     pub fn bump(&self) {
         let cell = self.cell();
-        cell.store(cell.load(Ordering::Relaxed).wrapping_add(1), Ordering::SeqCst);
+        cell.store(
+            cell.load(Ordering::Relaxed).wrapping_add(1),
+            Ordering::SeqCst,
+        );
     }
 
     /// The current epoch (SeqCst: ordered after the iothread's writes before it).

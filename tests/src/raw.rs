@@ -645,6 +645,40 @@ impl RawDevice {
         self.queues[q].kick.write(1).unwrap();
     }
 
+    /// Writes `descs` (descriptor table index, descriptor) into queue `q`'s table, puts every
+    /// head of `heads` on the avail ring and publishes them with one index store and one kick,
+    /// as a driver with many requests queued does.
+    pub fn post_batch(&mut self, q: usize, descs: &[(u16, Desc)], heads: &[u16]) {
+        let vq = &self.queues[q];
+        assert!(heads.len() <= vq.size as usize);
+        for (index, d) in descs {
+            assert!(*index < vq.size);
+            self.mem
+                .write(vq.desc + 16 * u64::from(*index), &d.encode());
+        }
+        let mut idx = vq.next_avail;
+        for head in heads {
+            let slot = idx % vq.size;
+            self.mem.write_u16(vq.avail + 4 + 2 * slot as u64, *head);
+            idx = idx.wrapping_add(1);
+        }
+        fence(Ordering::SeqCst);
+        self.mem.write_u16(vq.avail + 2, idx);
+        fence(Ordering::SeqCst);
+        self.queues[q].next_avail = idx;
+        self.queues[q].kick.write(1).unwrap();
+    }
+
+    /// The used index of queue `q` as the device last wrote it.
+    pub fn used_index(&self, q: usize) -> u16 {
+        self.mem.read_u16(self.queues[q].used + 2)
+    }
+
+    /// The call eventfd of queue `q` (the guest's interrupt).
+    pub fn call_event(&self, q: usize) -> &EventFd {
+        &self.queues[q].call
+    }
+
     /// Sets queue `q` up again from scratch (empty rings, index 0, new kick and call
     /// eventfds), as a VMM does after a device reset. No SET_VRING_ERR: QEMU sends that once
     /// per connection.
