@@ -234,6 +234,9 @@ struct Core {
     control_ready: bool,
     /// A `SetMemoryTable` or `Shutdown` waiting for the requests in flight to finish.
     held: Option<(ControlRequest, Vec<File>)>,
+    /// A message read in the middle of publishing a batch (looking for a `SetDirtyLog`),
+    /// handled once the batch is out: a queue must not change under a batch.
+    deferred: Option<(ControlRequest, Vec<File>)>,
     complaints: Complaints,
     /// Inline and queued transfers, for the frontend's statistics.
     counters: RingCounters,
@@ -336,6 +339,7 @@ impl Engine {
                 in_flight: 0,
                 control_ready: false,
                 held: None,
+                deferred: None,
                 complaints: Complaints::default(),
                 counters: ring.counters(),
                 targets,
@@ -385,6 +389,9 @@ impl Engine {
 
             self.reap()?;
             self.core.publish();
+            if let Some((request, files)) = self.core.deferred.take() {
+                self.core.handle_message(request, files)?;
+            }
             if self.core.control_ready {
                 if let Some(exit) = self.core.receive_control(control)? {
                     return Ok(exit);
@@ -823,14 +830,15 @@ impl Core {
             return;
         }
         self.log_epoch_seen = epoch;
-        while self.held.is_none() {
+        while self.held.is_none() && self.deferred.is_none() {
             match self.read_control() {
-                Ok(Some((request, files))) => {
-                    if let Err(e) = self.handle_message(request, files) {
+                Ok(Some((ControlRequest::SetDirtyLog(spec), files))) => {
+                    if let Err(e) = self.handle_message(ControlRequest::SetDirtyLog(spec), files) {
                         warn!("control message: {e}");
                         return;
                     }
                 }
+                Ok(Some(other)) => self.deferred = Some(other),
                 Ok(None) => return,
                 Err(e) => {
                     // The poll reports the same error and ends the engine there.
