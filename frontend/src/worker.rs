@@ -280,11 +280,11 @@ impl crate::admin::SettleStatistics for WorkerStatistics {
                 Some(answer)
             })
             .collect();
-        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        let start = Instant::now();
         for answer in answers {
             // A worker busy with a long command answers late: its counters are read as they
             // are.
-            let _ = answer.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+            let _ = answer.recv_timeout(SETTLE_TIMEOUT.saturating_sub(start.elapsed()));
         }
     }
 }
