@@ -72,7 +72,7 @@ pub struct DiskConfig {
     writeback: AtomicBool,
     /// The setting the device starts with, from the cache mode.
     default_writeback: bool,
-    /// The bound of the workers' adaptive polling for completions (zero: never poll); see
+    /// The bound of the workers' adaptive polling of the avail rings (zero: never poll); see
     /// `crate::poll`.
     pub poll_max: std::time::Duration,
 }

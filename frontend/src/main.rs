@@ -74,9 +74,9 @@ struct Args {
     /// restarts the frontend of a drained disk this way).
     #[arg(long, requires = "admin_socket")]
     drained: bool,
-    /// Bound of the adaptive polling for completions, in microseconds: a worker with requests
-    /// in flight watches for their completions up to this long before it sleeps (the window
-    /// adapts, as QEMU's poll-max-ns; an idle disk never polls). 0 disables it.
+    /// Bound of the adaptive polling, in microseconds: a worker with requests in flight
+    /// watches its avail rings for the driver's next request up to this long before it sleeps
+    /// (the window adapts, as QEMU's poll-max-ns; an idle disk never polls). 0 disables it.
     #[arg(long, default_value_t = DEFAULT_POLL_MAX_US, value_parser = clap::value_parser!(u32).range(0..=MAX_POLL_MAX_US))]
     poll_max_us: u32,
     /// Serve as this user, group and supplementary groups (numeric, `UID:GID[:GROUP,...]`;
@@ -89,8 +89,8 @@ struct Args {
 
 /// `--poll-max-us` by default (see BENCHMARKS.md for how it was chosen).
 const DEFAULT_POLL_MAX_US: u32 = 0;
-/// The largest `--poll-max-us`: longer than any memory-speed completion, short enough that a
-/// wrong setting cannot make a worker spin for long.
+/// The largest `--poll-max-us`: longer than a driver takes to queue its next request, short
+/// enough that a wrong setting cannot make a worker spin for long.
 const MAX_POLL_MAX_US: i64 = 1000;
 
 /// How long a starting frontend waits for the processes of a previous one on the same socket.

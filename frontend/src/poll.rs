@@ -1,6 +1,6 @@
 //! Bounded adaptive polling, QEMU's `poll-max-ns` model: before a worker sleeps with requests
-//! in flight it may watch its completion queue (shared memory, no system call) for a while,
-//! because a completion that arrives within that window then costs no sleep and wake-up. The
+//! in flight it may watch its avail rings (guest memory, no system call) for a while, because
+//! a request the driver queues within that window then costs no sleep and wake-up. The
 //! window adapts to what waiting has cost lately: it grows (from 4 µs, doubling) while the
 //! wait was longer than the window but within the bound, and drops to zero when a wait was
 //! longer than the bound (polling would not have caught it), so that a disk whose I/O is slow,

@@ -462,3 +462,297 @@ impl UsedRings {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::tests::memfd;
+    use blkplane_proto::control::MemoryRegionSpec;
+    use blkplane_proto::inflight::{InflightRegion, Limits};
+    use blkplane_proto::ring::{Opcode, Segment, SharedRing, SlotHeader};
+    use blkplane_proto::shm::sealed_memfd;
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+    use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
+
+    const SIZE: u16 = 8;
+    /// Guest-physical layout of the one region (starting at GPA 0x10000).
+    const BASE: u64 = 0x10000;
+    const AVAIL: u64 = BASE + 0x1000;
+    const USED: u64 = BASE + 0x2000;
+    const STATUS: u64 = BASE + 0x3000;
+    const DATA: u64 = BASE + 0x5000;
+
+    struct Fixture {
+        guest: File,
+        memory: MemoryTable,
+        region: Arc<InflightRegion>,
+        ring: SharedRing,
+        rings: UsedRings,
+        call: File,
+    }
+
+    fn eventfd() -> File {
+        // SAFETY: plain syscall; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh fd owned by nobody else.
+        unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+    }
+
+    fn fixture(event_idx: bool) -> Fixture {
+        let guest = memfd(0x10000);
+        let memory = MemoryTable::map(
+            &[MemoryRegionSpec {
+                size: 0x10000,
+                mmap_offset: 0,
+                guest_addr: BASE,
+            }],
+            &[guest.try_clone().unwrap()],
+        )
+        .unwrap();
+        let limits = Limits {
+            max_queues: 1,
+            max_queue_size: SIZE,
+        };
+        let (region, _file) = InflightRegion::create(1, SIZE, limits).unwrap();
+        let region = Arc::new(region);
+        let mut tracker = region.queue(0).unwrap();
+        tracker.recover(SIZE, 0, 0).unwrap();
+        let call = eventfd();
+        let mut rings = UsedRings::default();
+        let spec = QueueSpec {
+            queue: 0,
+            size: SIZE,
+            flags: if event_idx { QUEUE_FLAG_EVENT_IDX } else { 0 },
+            avail_addr: AVAIL,
+            used_addr: USED,
+            next_used: 0,
+            inflight_queue: 0,
+            inflight_queues: 1,
+            inflight_size: SIZE,
+            inflight_offset: 0,
+        };
+        rings
+            .start(spec, tracker, Some(call.try_clone().unwrap()), &memory)
+            .unwrap();
+        Fixture {
+            guest,
+            memory,
+            region,
+            ring: SharedRing::create(u32::from(SIZE), 4).unwrap(),
+            rings,
+            call,
+        }
+    }
+
+    impl Fixture {
+        fn read_u16(&self, gpa: u64) -> u16 {
+            let mut b = [0u8; 2];
+            self.guest.read_exact_at(&mut b, gpa - BASE).unwrap();
+            u16::from_le_bytes(b)
+        }
+
+        fn read_u32(&self, gpa: u64) -> u32 {
+            let mut b = [0u8; 4];
+            self.guest.read_exact_at(&mut b, gpa - BASE).unwrap();
+            u32::from_le_bytes(b)
+        }
+
+        fn write_u16(&self, gpa: u64, value: u16) {
+            self.guest
+                .write_all_at(&value.to_le_bytes(), gpa - BASE)
+                .unwrap();
+        }
+
+        /// A request of `head` finishing with `status`, its status byte at STATUS + head.
+        fn finish(&mut self, head: u16, opcode: Opcode, status: u32) {
+            let slot = u32::from(head);
+            let header = SlotHeader {
+                opcode: opcode as u32,
+                queue: 0,
+                head,
+                status_region: 0,
+                status_offset: STATUS - BASE + u64::from(head),
+                used_len: 4097,
+                segment_count: 1,
+                ..Default::default()
+            };
+            let slots = self.ring.slots();
+            slots.set_header(slot, header).unwrap();
+            let data = Segment {
+                offset: DATA - BASE,
+                len: 4096,
+                aux: 0,
+            };
+            slots.set_segment(slot, 0, data).unwrap();
+            let target = UsedTarget::from_header(&header);
+            let reads = u32::from(opcode == Opcode::Read);
+            self.rings
+                .complete(&target, status, (&slots, slot, reads), &self.memory);
+        }
+
+        fn publish(&mut self) {
+            self.rings.record();
+            self.rings.publish_indices();
+            self.rings.finish(&self.ring.slots(), &self.memory);
+        }
+
+        fn interrupts(&self) -> u64 {
+            let mut b = [0u8; 8];
+            match (&self.call).read(&mut b) {
+                Ok(8) => u64::from_ne_bytes(b),
+                _ => 0,
+            }
+        }
+    }
+
+    use std::io::Read;
+
+    #[test]
+    fn a_batch_goes_on_the_used_ring_once_with_its_statuses() {
+        let mut f = fixture(false);
+        let q = f.region.queue(0).unwrap();
+        let mut marker = f.region.queue(0).unwrap();
+        for head in [5, 2, 7] {
+            marker.mark(head);
+        }
+        f.finish(5, Opcode::Read, VIRTIO_BLK_S_OK);
+        f.finish(2, Opcode::Write, VIRTIO_BLK_S_IOERR);
+        // Nothing is visible before the batch is published.
+        assert_eq!(f.read_u16(USED + 2), 0);
+        f.publish();
+        assert_eq!(f.read_u16(USED + 2), 2);
+        assert_eq!((f.read_u32(USED + 4), f.read_u32(USED + 8)), (5, 4097));
+        assert_eq!(
+            (f.read_u32(USED + 12), f.read_u32(USED + 16)),
+            (2, 1),
+            "failed: status only"
+        );
+        let mut status = [0u8; 8];
+        f.guest.read_exact_at(&mut status, STATUS - BASE).unwrap();
+        assert_eq!((status[5], status[2]), (0, VIRTIO_BLK_S_IOERR as u8));
+        // Cleared in the inflight region; 7 is still in flight.
+        assert!(!q.is_marked(5) && !q.is_marked(2) && q.is_marked(7));
+        assert_eq!(q.repair_last_batch(SIZE, 2), 0, "region and ring agree");
+        assert_eq!(f.interrupts(), 1, "the first batch always signals");
+        // An empty publish writes nothing and signals nothing.
+        f.publish();
+        assert_eq!((f.read_u16(USED + 2), f.interrupts()), (2, 0));
+        assert_eq!(f.rings.next_used(0), Some(2));
+    }
+
+    #[test]
+    fn interrupts_follow_the_drivers_suppression() {
+        // Without EVENT_IDX: VRING_AVAIL_F_NO_INTERRUPT in the avail ring's flags.
+        let mut f = fixture(false);
+        f.finish(0, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.publish();
+        assert_eq!(f.interrupts(), 1);
+        f.write_u16(AVAIL, VRING_AVAIL_F_NO_INTERRUPT as u16);
+        f.finish(1, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.publish();
+        assert_eq!(f.interrupts(), 0, "suppressed");
+        f.write_u16(AVAIL, 0);
+        f.finish(2, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.publish();
+        assert_eq!(f.interrupts(), 1);
+
+        // With EVENT_IDX: once the used index passes used_event (after the avail ring).
+        let mut f = fixture(true);
+        let used_event = AVAIL + 4 + 2 * u64::from(SIZE);
+        f.finish(0, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.publish();
+        assert_eq!(f.interrupts(), 1, "first batch");
+        // The driver wants to hear when entry 3 is used (used index passes 3).
+        f.write_u16(used_event, 3);
+        f.finish(1, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.publish();
+        assert_eq!(f.interrupts(), 0, "used index 2 has not passed 3");
+        f.finish(2, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.finish(3, Opcode::Flush, VIRTIO_BLK_S_OK);
+        f.publish();
+        assert_eq!(f.interrupts(), 1, "one interrupt for a batch crossing it");
+    }
+
+    #[test]
+    fn what_a_batch_wrote_is_marked_in_the_dirty_log() {
+        let mut f = fixture(false);
+        let log_file = sealed_memfd(c"log", 64).unwrap();
+        f.rings
+            .set_dirty_log(Some(DirtyLog::new(&log_file, 64, 0).unwrap()));
+        f.finish(4, Opcode::Read, VIRTIO_BLK_S_OK);
+        f.finish(6, Opcode::Write, VIRTIO_BLK_S_OK);
+        f.publish();
+        let mut bits = [0u8; 64];
+        log_file.read_exact_at(&mut bits, 0).unwrap();
+        let marked = |gpa: u64| {
+            let page = gpa / 4096;
+            bits[(page / 8) as usize] & (1 << (page % 8)) != 0
+        };
+        assert!(marked(DATA), "read data");
+        assert!(marked(STATUS), "status bytes");
+        assert!(marked(USED), "used ring");
+        assert!(!marked(AVAIL), "the avail ring is only read");
+        assert!(!marked(DATA + 4096), "nothing past the read");
+    }
+
+    #[test]
+    fn hostile_slots_cost_only_their_used_entry() {
+        let mut f = fixture(false);
+        let slots = f.ring.slots();
+        for target in [
+            // A queue that was never started.
+            UsedTarget {
+                queue: 3,
+                head: 1,
+                ..Default::default()
+            },
+            // A head outside the ring.
+            UsedTarget {
+                queue: 0,
+                head: SIZE,
+                ..Default::default()
+            },
+            // A status byte outside guest memory: no status, the entry still goes out.
+            UsedTarget {
+                queue: 0,
+                head: 1,
+                status: Some((0, 0x10000)),
+                used_len: 9,
+                answer: false,
+            },
+            UsedTarget {
+                queue: 0,
+                head: 2,
+                status: Some((7, 0)),
+                used_len: 9,
+                answer: false,
+            },
+        ] {
+            f.rings
+                .complete(&target, VIRTIO_BLK_S_OK, (&slots, 0, 0), &f.memory);
+        }
+        f.publish();
+        assert_eq!(f.read_u16(USED + 2), 2, "heads 1 and 2 only");
+        // A ring that does not lie in guest memory is refused when handed over.
+        let limits = Limits {
+            max_queues: 1,
+            max_queue_size: SIZE,
+        };
+        let (region, _file) = InflightRegion::create(1, SIZE, limits).unwrap();
+        let tracker = Arc::new(region).queue(0).unwrap();
+        let outside = QueueSpec {
+            queue: 1,
+            size: SIZE,
+            avail_addr: AVAIL,
+            used_addr: BASE + 0x10000 - 8,
+            inflight_size: SIZE,
+            ..Default::default()
+        };
+        assert!(matches!(
+            f.rings.start(outside, tracker, None, &f.memory),
+            Err(VringError::Ring { ring: "used", .. })
+        ));
+    }
+}

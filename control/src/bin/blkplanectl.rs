@@ -215,7 +215,7 @@ struct AddArgs {
     /// Pin the iothreads to these CPUs, e.g. 0-1,3.
     #[arg(long, value_name = "LIST")]
     iothread_cpus: Option<String>,
-    /// Bound of the adaptive polling for completions in µs, 0 to 1000 (0: never poll)
+    /// Bound of the adaptive polling of the avail rings in µs, 0 to 1000 (0: never poll)
     /// [default: the frontend's].
     #[arg(long, value_name = "US")]
     poll_max_us: Option<u32>,
