@@ -88,7 +88,7 @@ struct Args {
 }
 
 /// `--poll-max-us` by default (see BENCHMARKS.md for how it was chosen).
-const DEFAULT_POLL_MAX_US: u32 = 0;
+const DEFAULT_POLL_MAX_US: u32 = 200;
 /// The largest `--poll-max-us`: longer than a driver takes to queue its next request, short
 /// enough that a wrong setting cannot make a worker spin for long.
 const MAX_POLL_MAX_US: i64 = 1000;
