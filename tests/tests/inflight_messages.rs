@@ -3,7 +3,7 @@
 //! file, files that could shrink under the mapping. Each must be refused (an error ack or a
 //! closed connection), the frontend must live on and serve a fresh libblkio connection; the
 //! well-formed messages are the positive control. (Recovery from a region's contents is
-//! unit-tested in frontend/src/inflight.rs; the guest test kills a frontend under QEMU.)
+//! unit-tested in proto/src/inflight.rs; the guest test kills a frontend under QEMU.)
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
