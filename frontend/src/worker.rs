@@ -297,8 +297,6 @@ struct SlotState {
     bytes: u64,
     /// Waiting for the I/O limits: popped and parsed, not yet handed to the iothread.
     throttled: bool,
-    /// The worker's own answer (counted when it was decided, not as I/O).
-    answer: bool,
     /// When the request was taken off the avail ring ([`monotonic_ns`]).
     popped_ns: u64,
 }
@@ -311,7 +309,6 @@ impl Default for SlotState {
             opcode: Opcode::Flush,
             bytes: 0,
             throttled: false,
-            answer: false,
             popped_ns: 0,
         }
     }
@@ -966,7 +963,6 @@ impl Worker {
                 opcode,
                 bytes: request.bytes,
                 throttled,
-                answer: false,
                 popped_ns,
             },
         );
@@ -1046,7 +1042,6 @@ impl Worker {
                 opcode: Opcode::Answer,
                 bytes: 0,
                 throttled: false,
-                answer: true,
                 popped_ns: 0,
             },
         );
@@ -1128,7 +1123,8 @@ impl Worker {
         if let Some(Some(rq)) = self.queues.get_mut(local) {
             rq.in_flight = rq.in_flight.saturating_sub(1);
         }
-        if state.answer {
+        // The worker's own answers were counted when they were decided.
+        if state.opcode == Opcode::Answer {
             return Ok(());
         }
         if let Some(counters) = self.counters(local) {

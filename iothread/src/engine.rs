@@ -252,6 +252,9 @@ struct Core {
     control: Option<UnixStream>,
     /// A poll of the control socket is queued or in flight.
     control_poll_armed: bool,
+    /// The time completions are stamped with: read once per loop iteration (after the wait
+    /// and before taking new work), not per request.
+    now_ns: u64,
 }
 
 /// The most preadv/pwritev calls one inline transfer may take (each moving some bytes) before
@@ -348,6 +351,7 @@ impl Engine {
                 log_epoch: ring.log_epoch(),
                 control: None,
                 control_poll_armed: false,
+                now_ns: monotonic_ns(),
             },
         })
     }
@@ -365,6 +369,7 @@ impl Engine {
         self.core.pending.push_back(Token::SubmitRead);
         self.core.arm_control_poll();
         loop {
+            self.core.now_ns = monotonic_ns();
             if self.core.held.is_none() {
                 self.core.take_new_work()?;
             }
@@ -386,6 +391,7 @@ impl Engine {
             if announced {
                 self.core.submissions.woke_up();
             }
+            self.core.now_ns = monotonic_ns();
 
             self.reap()?;
             self.core.publish();
@@ -659,7 +665,7 @@ impl Core {
             .push(Completion {
                 slot,
                 status,
-                completed_ns: monotonic_ns(),
+                completed_ns: self.now_ns,
             })
             .map_err(|_| EngineError::CompletionQueueFull)
     }

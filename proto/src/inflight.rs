@@ -572,48 +572,38 @@ impl QueueInflight {
     /// last batch was cleared but never put on the ring, so its heads (at most `ring_size`,
     /// walked through `next`) are marked in flight again. Returns how many were.
     pub fn repair_last_batch(&self, ring_size: u16, used_idx: u16) -> u16 {
-        let region_used = self.load16(OFF_USED_IDX);
-        if region_used == used_idx {
+        let batch = self.load16(OFF_USED_IDX).wrapping_sub(used_idx);
+        self.set_last_batch(ring_size, batch, 1, used_idx)
+    }
+
+    /// A version 1 region (flags cleared after the used index moved): a used index ahead of
+    /// the region's means the last batch was used but its flags were not cleared yet.
+    fn clear_used_batch(&self, ring_size: u16, used_idx: u16) -> u16 {
+        let batch = used_idx.wrapping_sub(self.load16(OFF_USED_IDX));
+        self.set_last_batch(ring_size, batch, 0, used_idx)
+    }
+
+    /// Sets the flag of the last `batch` heads recorded (walked back from `last_batch_head`
+    /// through `next`, at most `ring_size`) to `inflight`, then records `used_idx`. Returns
+    /// how many were set.
+    fn set_last_batch(&self, ring_size: u16, batch: u16, inflight: u8, used_idx: u16) -> u16 {
+        if batch == 0 {
             return 0;
         }
-        let batch = region_used.wrapping_sub(used_idx);
         let mut head = self.load16(OFF_LAST_BATCH_HEAD);
-        let mut repaired = 0u16;
+        let mut set = 0u16;
         // A batch is never larger than the ring; the bound also ends loops in the list.
         for _ in 0..batch.min(ring_size) {
             if head >= ring_size {
                 warn!("inflight region: last batch names head {head} outside the ring");
                 break;
             }
-            self.set_inflight(head, 1);
-            repaired = repaired.saturating_add(1);
+            self.set_inflight(head, inflight);
+            set = set.saturating_add(1);
             head = self.next_of(head);
         }
         self.store16(OFF_USED_IDX, used_idx);
-        repaired
-    }
-
-    /// A version 1 region (flags cleared after the used index moved): a used index ahead of
-    /// the region's means the last batch was used but its flags were not cleared yet.
-    fn clear_used_batch(&self, ring_size: u16, used_idx: u16) -> u16 {
-        let region_used = self.load16(OFF_USED_IDX);
-        if region_used == used_idx {
-            return 0;
-        }
-        let batch = used_idx.wrapping_sub(region_used);
-        let mut head = self.load16(OFF_LAST_BATCH_HEAD);
-        let mut cleared = 0u16;
-        for _ in 0..batch.min(ring_size) {
-            if head >= ring_size {
-                warn!("inflight region: last batch names head {head} outside the ring");
-                break;
-            }
-            self.set_inflight(head, 0);
-            cleared = cleared.saturating_add(1);
-            head = self.next_of(head);
-        }
-        self.store16(OFF_USED_IDX, used_idx);
-        cleared
+        set
     }
 
     /// Brings the region in line with the ring as the ring starts, and says what to resubmit.
