@@ -13,11 +13,12 @@ use blkplane_proto::control::{
 };
 use blkplane_proto::dirty_log::DirtyLog;
 use blkplane_proto::inflight::InflightRegion;
-use blkplane_proto::ring::{Completion, Consumer, Producer, RingError, SharedRing, SlotTable};
+use blkplane_proto::ring::{RingError, SharedRing};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::image::Image;
 use crate::memory::MemoryTable;
+use crate::queue_core::RingEnds;
 use crate::spawner::{ExitStatus, Spawner, SpawnerError};
 
 /// What went wrong talking to an iothread.
@@ -58,12 +59,6 @@ pub struct IothreadLink {
     image: Arc<Image>,
     block_size: u32,
     ring: SharedRing,
-    /// Frontend → iothread: slot numbers to execute.
-    pub submissions: Producer<u32>,
-    /// Iothread → frontend: finished slots.
-    pub completions: Consumer<Completion>,
-    /// The request slots.
-    pub slots: SlotTable,
     /// Written to wake a sleeping iothread.
     pub submit_event: EventFd,
     /// Written by the iothread to wake this worker.
@@ -81,6 +76,16 @@ impl IothreadLink {
         self.ring.counters()
     }
 
+    /// The frontend's ends of the ring, valid until the next [`IothreadLink::start`] (which
+    /// resets its queues).
+    pub fn ring_ends(&self) -> RingEnds {
+        RingEnds {
+            submissions: self.ring.submission_producer(),
+            completions: self.ring.completion_consumer(),
+            slots: self.ring.slots(),
+        }
+    }
+
     /// Creates the ring and eventfds; the process is started by [`IothreadLink::start`].
     pub fn new(
         index: usize,
@@ -96,9 +101,6 @@ impl IothreadLink {
             spawner,
             image,
             block_size,
-            submissions: ring.submission_producer(),
-            completions: ring.completion_consumer(),
-            slots: ring.slots(),
             ring,
             submit_event: EventFd::new(EFD_NONBLOCK)?,
             complete_event: EventFd::new(EFD_NONBLOCK)?,
@@ -147,8 +149,6 @@ impl IothreadLink {
     pub fn start(&mut self, memory: &MemoryTable) -> Result<(), IothreadError> {
         self.stop();
         self.ring.reset_queues();
-        self.submissions = self.ring.submission_producer();
-        self.completions = self.ring.completion_consumer();
         let (ours, theirs) = control::socket_pair()?;
         let index = u32::try_from(self.index).unwrap_or(u32::MAX);
         let spawned = self

@@ -27,8 +27,7 @@ use log::{info, warn};
 use crate::admin::Lifecycle;
 use crate::image::Image;
 use crate::stats::DeviceStatus;
-use crate::vhost_user::BlkBackend;
-use crate::worker::{Command, WorkerGone, WorkerHandle};
+use crate::worker::{Command, WorkerGone, WorkerHandle, Workers};
 
 /// Why a drain or resume failed.
 #[derive(Debug, thiserror::Error)]
@@ -158,7 +157,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Drains and resumes the device; what the admin channel's Drain and Resume run.
 pub struct Quiescer {
-    backend: Arc<Mutex<BlkBackend>>,
+    workers: Workers,
     image: Arc<Image>,
     status: Arc<DeviceStatus>,
     /// Serializes drains and resumes (two admin connections may ask at once).
@@ -166,14 +165,10 @@ pub struct Quiescer {
 }
 
 impl Quiescer {
-    /// A quiescer for the device `backend` serving `image`.
-    pub fn new(
-        backend: Arc<Mutex<BlkBackend>>,
-        image: Arc<Image>,
-        status: Arc<DeviceStatus>,
-    ) -> Self {
+    /// A quiescer for the device whose queues `workers` serve, from `image`.
+    pub fn new(workers: Workers, image: Arc<Image>, status: Arc<DeviceStatus>) -> Self {
         Self {
-            backend,
+            workers,
             image,
             status,
             serial: Mutex::new(()),
@@ -189,9 +184,10 @@ impl Quiescer {
             .status
             .drained
             .swap(true, std::sync::atomic::Ordering::Relaxed);
-        // The vhost-user thread waits while the workers are paused (it holds this lock per
-        // message): no ring is set up half-way through a drain. The workers do not need it.
-        let paused = pause_all(lock(&self.backend).workers());
+        // A worker handles its commands one by one: what the vhost-user thread asks of it
+        // meanwhile (a ring started or stopped) waits until it is paused, and a ring started
+        // while paused is not read until resume.
+        let paused = pause_all(self.workers.as_slice());
         let waited = match paused {
             Ok(waited) => waited,
             Err(e) => {
@@ -220,7 +216,7 @@ impl Quiescer {
     /// as it is.
     pub fn resume(&self) -> Result<(), LifecycleError> {
         let _serial = lock(&self.serial);
-        resume_all(lock(&self.backend).workers())?;
+        resume_all(self.workers.as_slice())?;
         if self
             .status
             .drained
@@ -245,15 +241,10 @@ impl Lifecycle for Quiescer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend_channel::BackendChannel;
-    use crate::config::{CacheMode, DiskConfig};
+    use crate::config::CacheMode;
     use std::cell::Cell;
     use std::sync::atomic::Ordering;
     use std::sync::mpsc;
-    use vhost::vhost_user::message::{
-        VhostUserLog, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
-    };
-    use vhost::vhost_user::VhostUserBackendReqHandlerMut;
 
     /// A worker that answers at once: `in_flight` requests waited for, or gone.
     struct FakeWorker {
@@ -351,25 +342,6 @@ mod tests {
         assert_eq!(workers[2].resumes.get(), 1);
     }
 
-    fn device(status: &Arc<DeviceStatus>) -> Arc<Mutex<BlkBackend>> {
-        let disk = Arc::new(DiskConfig::new(
-            1 << 20,
-            false,
-            "",
-            1,
-            256,
-            512,
-            CacheMode::Writeback,
-        ));
-        Arc::new(Mutex::new(BlkBackend::new(
-            disk,
-            Arc::clone(status),
-            Arc::new(BackendChannel::default()),
-            Arc::new(Image::Null { size: 1 << 20 }),
-            Vec::new(),
-        )))
-    }
-
     #[test]
     fn drain_marks_the_status_and_syncs_a_file_image() {
         let status = Arc::new(DeviceStatus::new(1, 1));
@@ -380,7 +352,7 @@ mod tests {
             .unwrap();
         let spec = crate::image::ImageSpec::Path(path.clone());
         let image = Arc::new(Image::open(&spec, false, CacheMode::Writeback).unwrap());
-        let q = Quiescer::new(device(&status), image, Arc::clone(&status));
+        let q = Quiescer::new(Workers::new(Vec::new()), image, Arc::clone(&status));
         let done = q.drain(true).unwrap();
         assert_eq!((done.waited_requests, done.flushed), (0, true));
         assert!(status.drained.load(Ordering::Relaxed));
@@ -398,45 +370,8 @@ mod tests {
             )
             .unwrap(),
         );
-        let q = Quiescer::new(device(&status), null, Arc::clone(&status));
+        let q = Quiescer::new(Workers::new(Vec::new()), null, Arc::clone(&status));
         assert!(!q.drain(true).unwrap().flushed);
         let _ = std::fs::remove_file(&path);
-    }
-
-    #[test]
-    fn dirty_logging_is_refused_while_blocked() {
-        let status = Arc::new(DeviceStatus::new(1, 1));
-        let backend = device(&status);
-        let mut backend = backend.lock().unwrap();
-        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
-        let offered = backend.get_features().unwrap();
-        status.set_migration_blockers(vec!["operator_backup: nightly".into()]);
-        let err = check_dirty_logging(&status, "VHOST_F_LOG_ALL").unwrap_err();
-        assert!(
-            err.to_string().contains("operator_backup: nightly"),
-            "{err}"
-        );
-        assert_ne!(offered & log_all, 0, "LOG_ALL is offered");
-        // The log itself is taken (its reply has no status); logging is what is refused.
-        let log = blkplane_proto::shm::sealed_memfd(c"log", 4096).unwrap();
-        backend
-            .set_log_base(&VhostUserLog::new(4096, 0), log)
-            .unwrap();
-        // Refused with a REPLY_ACK status once the VMM negotiated it: the session goes on.
-        assert!(backend.set_features(offered | log_all).is_err());
-        assert!(!backend.take_acked_refusal(), "no REPLY_ACK negotiated");
-        backend
-            .set_protocol_features(VhostUserProtocolFeatures::REPLY_ACK.bits())
-            .unwrap();
-        assert!(backend.set_features(offered | log_all).is_err());
-        assert!(backend.take_acked_refusal());
-        assert!(!backend.take_acked_refusal(), "taken once");
-        // Features without LOG_ALL are still fine.
-        backend.set_features(offered & !log_all).unwrap();
-        status.set_migration_blockers(Vec::new());
-        assert!(check_dirty_logging(&status, "VHOST_F_LOG_ALL").is_ok());
-        backend.set_features(offered | log_all).unwrap();
-        // Clearing LOG_ALL (a cancelled migration) stops logging.
-        backend.set_features(offered & !log_all).unwrap();
     }
 }

@@ -22,9 +22,9 @@ use blkplane_frontend::lifecycle::Quiescer;
 use blkplane_frontend::resize::DiskResizer;
 use blkplane_frontend::spawner::Spawner;
 use blkplane_frontend::stats::DeviceStatus;
-use blkplane_frontend::throttle::ThrottleControl;
+use blkplane_frontend::throttle_control::ThrottleControl;
 use blkplane_frontend::vhost_user::BlkBackend;
-use blkplane_frontend::worker::{WorkerHandle, WorkerStatistics};
+use blkplane_frontend::worker::{WorkerHandle, WorkerStatistics, Workers};
 use blkplane_frontend::{admin, config, session, socket_lock};
 
 /// Serve a disk image to a VMM (QEMU, cloud-hypervisor, libblkio) as a vhost-user-blk device.
@@ -198,7 +198,6 @@ fn run(args: Args) -> Result<(), String> {
     let status = Arc::new(DeviceStatus::new(args.num_queues, iothreads));
     let backend_channel = Arc::new(BackendChannel::default());
     let mut workers = Vec::with_capacity(usize::from(iothreads));
-    let mut statistics = Vec::with_capacity(usize::from(iothreads));
     for index in 0..iothreads {
         let queue_ids: Vec<u16> = (index..args.num_queues)
             .step_by(usize::from(iothreads))
@@ -226,22 +225,18 @@ fn run(args: Args) -> Result<(), String> {
             queue_ids,
         )
         .map_err(|e| format!("starting iothread {index}: {e}"))?;
-        statistics.push(
-            worker
-                .statistics_handle()
-                .map_err(|e| format!("worker {index}: {e}"))?,
-        );
         workers.push(worker);
     }
+    let workers = Workers::new(workers);
     let backend = Arc::new(Mutex::new(BlkBackend::new(
         Arc::clone(&disk),
         Arc::clone(&status),
         Arc::clone(&backend_channel),
         Arc::clone(&image),
-        workers,
+        workers.clone(),
     )));
     let quiescer = Arc::new(Quiescer::new(
-        Arc::clone(&backend),
+        workers.clone(),
         Arc::clone(&image),
         Arc::clone(&status),
     ));
@@ -261,8 +256,8 @@ fn run(args: Args) -> Result<(), String> {
             status: Arc::clone(&status),
             resize: Arc::new(resizer),
             lifecycle: quiescer,
-            limits: Arc::new(ThrottleControl::new(Arc::clone(&backend))),
-            statistics: Arc::new(WorkerStatistics(statistics)),
+            limits: Arc::new(ThrottleControl::new(workers.clone())),
+            statistics: Arc::new(WorkerStatistics(workers)),
         };
         admin::serve(path, services).map_err(|e| e.to_string())?;
     }

@@ -19,9 +19,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::ops::Deref;
-use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
 use blkplane_proto::ring::Opcode;
 use blkplane_proto::shm::SharedMapping;
@@ -30,12 +28,6 @@ use blkplane_throttle::{
     Admission, Direction, GroupState, LimitsError, SharedBuckets, Throttle, ThrottleLimits,
     GROUP_STATE_LEN, MAX_GROUP_MEMBERS,
 };
-use log::info;
-use vmm_sys_util::timerfd::TimerFd;
-
-use crate::admin::SetLimits;
-use crate::vhost_user::BlkBackend;
-use crate::worker::Command;
 
 /// A group member whose turn it is not looks again this often at the latest, and so keeps
 /// its waiting mark fresh (well under `blkplane_throttle::group::STALE_NS`).
@@ -77,20 +69,6 @@ pub enum ThrottleError {
         /// Its length.
         len: u64,
     },
-}
-
-/// The nanoseconds of `CLOCK_MONOTONIC`, the clock the members of a group share.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    u64::try_from(ts.tv_sec)
-        .unwrap_or(0)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
 }
 
 /// A throttle group's state file, mapped.
@@ -227,64 +205,6 @@ impl DiskThrottle {
     }
 }
 
-/// Applies blkplaned's SetThrottle to every queue worker of the disk, at once: a command
-/// each, answered once the worker uses the new limits (requests already waiting included).
-pub struct ThrottleControl {
-    backend: Arc<Mutex<BlkBackend>>,
-}
-
-impl ThrottleControl {
-    /// Control over the workers of `backend`.
-    pub fn new(backend: Arc<Mutex<BlkBackend>>) -> Self {
-        Self { backend }
-    }
-}
-
-impl SetLimits for ThrottleControl {
-    fn set_limits(
-        &self,
-        request: &v1::SetThrottle,
-        group_file: Option<File>,
-    ) -> Result<(), String> {
-        let throttle =
-            DiskThrottle::from_request(request, group_file).map_err(|e| e.to_string())?;
-        let backend = self.backend.lock().unwrap_or_else(|p| p.into_inner());
-        // Posted to all first, so that every worker switches at about the same time.
-        let answers: Vec<_> = backend
-            .workers()
-            .iter()
-            .map(|w| {
-                w.post(|reply| Command::SetThrottle {
-                    throttle: throttle.clone(),
-                    reply,
-                })
-            })
-            .collect();
-        for (index, answer) in answers.into_iter().enumerate() {
-            answer
-                .ok()
-                .and_then(|a| a.recv().ok())
-                .ok_or_else(|| format!("queue worker {index} is gone"))?;
-        }
-        match &throttle {
-            None => info!("I/O limits: none"),
-            Some(_) => info!(
-                "I/O limits: {:?}{}",
-                request.limits.unwrap_or_default(),
-                if request.group_state_path.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        " in group {} as member {}",
-                        request.group_state_path, request.member_index
-                    )
-                }
-            ),
-        }
-        Ok(())
-    }
-}
-
 /// The direction a request is throttled in; `None` for requests QEMU does not throttle.
 pub fn direction(opcode: Opcode) -> Option<Direction> {
     match opcode {
@@ -302,14 +222,18 @@ struct Waiting {
     since_ns: u64,
 }
 
-/// One worker's side of throttling: the limits in force, the waiting requests and the timer.
+/// One worker's side of throttling: the limits in force, the waiting requests and when the
+/// first of them may go. It makes no system call: the caller passes the time
+/// ([`blkplane_proto::clock::monotonic_ns`], the clock a group's members share) and arms its
+/// timer when [`Throttler::take_timer_request`] says so.
 pub struct Throttler {
     limits: Option<Arc<DiskThrottle>>,
     /// Per direction (read, write), in arrival order.
     waiting: [VecDeque<Waiting>; 2],
-    timer: TimerFd,
     /// When the timer fires (`CLOCK_MONOTONIC` ns), if armed.
     deadline: Option<u64>,
+    /// A deadline the caller has not armed its timer for yet.
+    unarmed: Option<u64>,
 }
 
 fn lane(dir: Direction) -> usize {
@@ -322,27 +246,27 @@ fn lane(dir: Direction) -> usize {
 impl Throttler {
     /// No limits; room for `capacity` waiting requests (the worker's slots), so that queueing
     /// never allocates.
-    pub fn new(capacity: usize) -> io::Result<Self> {
-        let timer = TimerFd::new()?;
-        // Non-blocking, so that `release` can consume an expiry that may not have come.
-        // SAFETY: fcntl on a descriptor this function owns; the result is checked.
-        if unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Self {
+    pub fn new(capacity: usize) -> Self {
+        Self {
             limits: None,
             waiting: [
                 VecDeque::with_capacity(capacity),
                 VecDeque::with_capacity(capacity),
             ],
-            timer,
             deadline: None,
-        })
+            unarmed: None,
+        }
     }
 
-    /// The timerfd to watch; when it is readable call [`Throttler::release`].
-    pub fn timer_fd(&self) -> RawFd {
-        self.timer.as_raw_fd()
+    /// The deadline (`CLOCK_MONOTONIC` ns) to arm the caller's timer for, once: when it
+    /// passes, call [`Throttler::release`].
+    pub fn take_timer_request(&mut self) -> Option<u64> {
+        self.unarmed.take()
+    }
+
+    /// The caller could not arm its timer: the next request that must wait asks again.
+    pub fn timer_not_armed(&mut self) {
+        self.deadline = None;
     }
 
     /// Limits are set.
@@ -363,15 +287,15 @@ impl Throttler {
         }
         self.limits = limits;
         self.deadline = None;
+        self.unarmed = None;
     }
 
-    /// Decides for a new request of `bytes` in `dir`, its slot ready: `true` if it may be
-    /// submitted now (it has been accounted), `false` if it was queued.
-    pub fn admit_or_queue(&mut self, dir: Direction, slot: u32, bytes: u64) -> bool {
+    /// Decides at `now` for a new request of `bytes` in `dir`, its slot ready: `true` if it
+    /// may be submitted now (it has been accounted), `false` if it was queued.
+    pub fn admit_or_queue(&mut self, dir: Direction, slot: u32, bytes: u64, now: u64) -> bool {
         let Some(limits) = &self.limits else {
             return true;
         };
-        let now = monotonic_ns();
         let lane = lane(dir);
         let queue_empty = self.waiting.get(lane).is_some_and(VecDeque::is_empty);
         let wait = if queue_empty {
@@ -401,21 +325,15 @@ impl Throttler {
         if self.deadline.is_some_and(|d| d <= deadline) {
             return;
         }
-        let now = monotonic_ns();
-        let after = Duration::from_nanos(deadline.saturating_sub(now).max(1));
-        if self.timer.reset(after, None).is_ok() {
-            self.deadline = Some(deadline);
-        }
+        self.deadline = Some(deadline);
+        self.unarmed = Some(deadline);
     }
 
-    /// Lets every waiting request go that may (all of them without limits), in order per
-    /// direction, calling `submit(slot, waited_ns)` for each, and re-arms the timer for the
-    /// first that may not.
-    pub fn release(&mut self, mut submit: impl FnMut(u32, u64)) {
-        // Consume a fired timer (nothing to read is fine: called for other reasons too).
-        let _ = self.timer.wait();
+    /// Lets every waiting request go at `now` that may (all of them without limits), in order
+    /// per direction, calling `submit(slot, waited_ns)` for each, and asks for the timer for
+    /// the first that may not.
+    pub fn release(&mut self, now: u64, mut submit: impl FnMut(u32, u64)) {
         self.deadline = None;
-        let now = monotonic_ns();
         let mut next: Option<u64> = None;
         for dir in [Direction::Read, Direction::Write] {
             let Some(queue) = self.waiting.get_mut(lane(dir)) else {
@@ -446,25 +364,12 @@ impl Throttler {
         }
     }
 
-    /// Lets every waiting request go now, limits or not (as QEMU does while a drain waits),
-    /// calling `submit(slot, waited_ns)` for each.
-    pub fn release_all(&mut self, mut submit: impl FnMut(u32, u64)) {
-        let now = monotonic_ns();
+    /// Lets every waiting request go at `now`, limits or not (as QEMU does while a drain
+    /// waits), calling `submit(slot, waited_ns)` for each.
+    pub fn release_all(&mut self, now: u64, mut submit: impl FnMut(u32, u64)) {
         for queue in &mut self.waiting {
             for w in queue.drain(..) {
                 submit(w.slot, now.saturating_sub(w.since_ns));
-            }
-        }
-        if let Some(limits) = &self.limits {
-            limits.set_waiting(false, 0);
-        }
-    }
-
-    /// Forgets every waiting request (their slots are being failed), calling `f(slot)`.
-    pub fn abandon(&mut self, mut f: impl FnMut(u32)) {
-        for queue in &mut self.waiting {
-            for w in queue.drain(..) {
-                f(w.slot);
             }
         }
         if let Some(limits) = &self.limits {
@@ -476,6 +381,7 @@ impl Throttler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkplane_proto::clock::monotonic_ns;
 
     fn request(limits: v1::ThrottleLimits) -> v1::SetThrottle {
         v1::SetThrottle {
@@ -492,8 +398,8 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-        let mut t = Throttler::new(4).unwrap();
-        assert!(t.admit_or_queue(Direction::Read, 0, 1 << 20));
+        let mut t = Throttler::new(4);
+        assert!(t.admit_or_queue(Direction::Read, 0, 1 << 20, monotonic_ns()));
         assert!(!t.is_active());
     }
 
@@ -538,30 +444,38 @@ mod tests {
             None,
         )
         .unwrap();
-        let mut t = Throttler::new(64).unwrap();
+        let mut t = Throttler::new(64);
         t.set(limits);
+        let start = monotonic_ns();
         // QEMU's default burst: a tenth of a second (10 requests) and one more go at once.
         let admitted = (0..20)
-            .filter(|&slot| t.admit_or_queue(Direction::Read, slot, 4096))
+            .filter(|&slot| t.admit_or_queue(Direction::Read, slot, 4096, start))
             .count();
         assert_eq!(admitted, 11);
         assert_eq!(t.waiting(), 9);
         // Writes are not limited here and do not wait behind reads.
-        assert!(t.admit_or_queue(Direction::Write, 30, 4096));
-        // Nothing is due yet; then one every 10 ms, in order, via the timer.
+        assert!(t.admit_or_queue(Direction::Write, 30, 4096, start));
+        // Nothing is due yet: the timer is asked for once, for the first waiting read.
         let mut released = Vec::new();
-        t.release(|slot, _| released.push(slot));
+        let deadline = t
+            .take_timer_request()
+            .expect("a deadline for the waiting reads");
+        assert!(deadline > start, "{deadline} after {start}");
+        assert_eq!(t.take_timer_request(), None, "asked for once");
+        t.release(start, |slot, _| released.push(slot));
         assert!(released.is_empty());
-        let mut fds = [libc::pollfd {
-            fd: t.timer_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
+        // Then one every 10 ms, in order, each time the timer would fire.
+        let mut now = start;
         while released.len() < 3 {
-            // SAFETY: polls one descriptor of a local array.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) };
-            assert_eq!(n, 1, "the timer fires");
-            t.release(|slot, waited| {
+            let deadline = t
+                .take_timer_request()
+                .expect("the timer is asked for again");
+            assert!(
+                deadline > now && deadline <= now + 20_000_000,
+                "{deadline} {now}"
+            );
+            now = deadline;
+            t.release(now, |slot, waited| {
                 assert!(waited > 0);
                 released.push(slot);
             });
@@ -569,7 +483,7 @@ mod tests {
         assert_eq!(&released[..3], &[11, 12, 13]);
         // Limits removed: everything waiting goes at once.
         t.set(None);
-        t.release(|slot, _| released.push(slot));
+        t.release(now, |slot, _| released.push(slot));
         assert_eq!(t.waiting(), 0);
         assert_eq!(released.last(), Some(&19));
     }

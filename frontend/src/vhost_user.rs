@@ -33,7 +33,7 @@ use crate::image::Image;
 use crate::lifecycle;
 use crate::memory::{MemoryTable, RegionDescriptor};
 use crate::stats::DeviceStatus;
-use crate::worker::{Command, VringStart, WorkerHandle};
+use crate::worker::{Command, VringStart, WorkerHandle, Workers};
 use blkplane_proto::dirty_log::DirtyLog;
 use blkplane_proto::inflight::{self, InflightRegion};
 
@@ -58,7 +58,7 @@ pub struct BlkBackend {
     disk: Arc<DiskConfig>,
     status: Arc<DeviceStatus>,
     backend_channel: Arc<BackendChannel>,
-    workers: Vec<WorkerHandle>,
+    workers: Workers,
     acked_features: u64,
     acked_protocol_features: u64,
     memory: Arc<MemoryTable>,
@@ -100,7 +100,7 @@ impl BlkBackend {
         status: Arc<DeviceStatus>,
         backend_channel: Arc<BackendChannel>,
         image: Arc<Image>,
-        workers: Vec<WorkerHandle>,
+        workers: Workers,
     ) -> Self {
         let vrings = (0..disk.num_queues)
             .map(|_| VringSetup::default())
@@ -136,7 +136,7 @@ impl BlkBackend {
     /// Hands every worker the log to mark (`None`: stop marking). Synchronous: once it
     /// returns, every write a worker completes is marked.
     fn set_workers_log(&self, log: Option<&Arc<DirtyLog>>) -> VhostResult<()> {
-        for worker in &self.workers {
+        for worker in self.workers.iter() {
             worker
                 .call(|reply| Command::SetDirtyLog {
                     log: log.cloned(),
@@ -156,15 +156,9 @@ impl BlkBackend {
         error
     }
 
-    /// The queue workers (for drain and resume, which pause and resume all of them).
-    pub fn workers(&self) -> &[WorkerHandle] {
-        &self.workers
-    }
-
     fn worker_for(&self, queue: u16) -> VhostResult<&WorkerHandle> {
-        let count = self.workers.len().max(1);
         self.workers
-            .get(usize::from(queue).checked_rem(count).unwrap_or(0))
+            .for_queue(queue)
             .ok_or(VhostError::BackendInternalError)
     }
 
@@ -915,6 +909,8 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::CacheMode;
+    use std::sync::Mutex;
 
     #[test]
     fn a_used_ring_on_the_avail_ring_or_the_table_is_refused() {
@@ -948,5 +944,61 @@ mod tests {
             used_ring_overlap(at(0), at(0x1000), at(u64::MAX - 8), 64),
             None
         );
+    }
+
+    fn device(status: &Arc<DeviceStatus>) -> Arc<Mutex<BlkBackend>> {
+        let disk = Arc::new(DiskConfig::new(
+            1 << 20,
+            false,
+            "",
+            1,
+            256,
+            512,
+            CacheMode::Writeback,
+        ));
+        Arc::new(Mutex::new(BlkBackend::new(
+            disk,
+            Arc::clone(status),
+            Arc::new(BackendChannel::default()),
+            Arc::new(Image::Null { size: 1 << 20 }),
+            Workers::new(Vec::new()),
+        )))
+    }
+
+    #[test]
+    fn dirty_logging_is_refused_while_blocked() {
+        let status = Arc::new(DeviceStatus::new(1, 1));
+        let backend = device(&status);
+        let mut backend = backend.lock().unwrap();
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        let offered = backend.get_features().unwrap();
+        status.set_migration_blockers(vec!["operator_backup: nightly".into()]);
+        let err = lifecycle::check_dirty_logging(&status, "VHOST_F_LOG_ALL").unwrap_err();
+        assert!(
+            err.to_string().contains("operator_backup: nightly"),
+            "{err}"
+        );
+        assert_ne!(offered & log_all, 0, "LOG_ALL is offered");
+        // The log itself is taken (its reply has no status); logging is what is refused.
+        let log = blkplane_proto::shm::sealed_memfd(c"log", 4096).unwrap();
+        backend
+            .set_log_base(&VhostUserLog::new(4096, 0), log)
+            .unwrap();
+        // Refused with a REPLY_ACK status once the VMM negotiated it: the session goes on.
+        assert!(backend.set_features(offered | log_all).is_err());
+        assert!(!backend.take_acked_refusal(), "no REPLY_ACK negotiated");
+        backend
+            .set_protocol_features(VhostUserProtocolFeatures::REPLY_ACK.bits())
+            .unwrap();
+        assert!(backend.set_features(offered | log_all).is_err());
+        assert!(backend.take_acked_refusal());
+        assert!(!backend.take_acked_refusal(), "taken once");
+        // Features without LOG_ALL are still fine.
+        backend.set_features(offered & !log_all).unwrap();
+        status.set_migration_blockers(Vec::new());
+        assert!(lifecycle::check_dirty_logging(&status, "VHOST_F_LOG_ALL").is_ok());
+        backend.set_features(offered | log_all).unwrap();
+        // Clearing LOG_ALL (a cancelled migration) stops logging.
+        backend.set_features(offered & !log_all).unwrap();
     }
 }

@@ -18,8 +18,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use blkplane_proto::inflight::{region_size, InflightRegion, Limits};
 use blkplane_fuzz::inflight::{self, Input};
+use blkplane_proto::inflight::{region_size, InflightRegion, Limits};
 use libfuzzer_sys::fuzz_target;
 
 const PAGE: u64 = 4096;

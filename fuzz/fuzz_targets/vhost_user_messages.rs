@@ -30,7 +30,7 @@ use blkplane_frontend::session;
 use blkplane_frontend::spawner::Spawner;
 use blkplane_frontend::stats::DeviceStatus;
 use blkplane_frontend::vhost_user::BlkBackend;
-use blkplane_frontend::worker::WorkerHandle;
+use blkplane_frontend::worker::{WorkerHandle, Workers};
 use blkplane_fuzz::vhost::{self, FdKind};
 use libfuzzer_sys::fuzz_target;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -92,7 +92,7 @@ fn device() -> Device {
         status,
         Arc::clone(&channel),
         image,
-        vec![worker],
+        Workers::new(vec![worker]),
     )));
     Device { backend, channel }
 }

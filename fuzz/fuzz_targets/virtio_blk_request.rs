@@ -1,12 +1,14 @@
-//! The virtio-blk request path of a frontend worker over a virtqueue the guest wrote: pop
-//! (virtio-queue), walk the chain (`request::collect_chain`), parse it into a ring slot
-//! (`request::parse` with the production `SlotSink`), answer GET_ID and rejections in guest
-//! memory, and complete on the used ring — the call sequence of `worker.rs`'s
-//! `process_queue` / `handle_chain` / `complete_now`. Every accepted request is then read back
-//! by the iothread's slot parser (`blkplane_iothread::request::parse`) from a second mapping
-//! of the same ring and executed as a null image does (`SlotState::run_null`), and the two
-//! sides must agree: whatever the frontend lets through, the iothread must accept as the same
-//! request.
+//! The virtio-blk request path of a frontend worker over a virtqueue the guest wrote, through
+//! the worker's own state machine: `QueueCore::process_ring` pops (virtio-queue), walks,
+//! validates and parses every chain into a ring slot of a real shared ring, answers GET_ID and
+//! rejections as answer slots, marks the inflight region, and publishes the batch — the code
+//! the worker runs on a kick, not a copy of it. The fuzz target then plays the iothread: it
+//! reads every published slot with the iothread's slot parser
+//! (`blkplane_iothread::request::parse`) from a second mapping of the same ring, executes it as
+//! a null image does (`SlotState::run_null`), and hands the completion back, which the core
+//! must accept. Whatever the frontend lets through, the iothread must accept as the same
+//! request; the core must never report a correct iothread as broken; a guest that keeps
+//! publishing chains is served a ring's worth per pass.
 //!
 //! Input format: `blkplane_fuzz::blk`.
 
@@ -16,33 +18,32 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use blkplane_frontend::config::{CacheMode, DiskConfig};
 use blkplane_frontend::memory::{MemoryTable, RegionDescriptor};
-use blkplane_frontend::request::{self, ChainError, Rejected, RequestKind, SlotSink};
+use blkplane_frontend::queue_core::{Action, QueueCore, RingEnds};
+use blkplane_frontend::stats::DeviceStatus;
 use blkplane_frontend::vhost_user::used_ring_overlap;
 use blkplane_fuzz::blk::{self, Input};
 use blkplane_iothread::request::{ImageRange, Request as IoRequest};
 use blkplane_iothread::slot::{SlotState, Step};
-use blkplane_proto::ring::{SharedRing, SlotTable};
+use blkplane_proto::inflight::{InflightRegion, Limits};
+use blkplane_proto::ring::{Completion, Opcode, SharedRing, NO_STATUS};
 use libfuzzer_sys::fuzz_target;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
-use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress};
 
 /// What stays across executions: mapping guest memory and the ring is the expensive part.
 struct Fixture {
-    memory: MemoryTable,
-    slots: SlotTable,
+    memory: Arc<MemoryTable>,
+    ring: SharedRing,
     /// The iothread's view: the ring opened from its fd, guest memory mapped from the fds
     /// the frontend would send.
-    io_slots: SlotTable,
+    io_ring: SharedRing,
     io_memory: blkplane_iothread::memory::MemoryTable,
     state: SlotState,
-    scratch: Vec<Descriptor>,
-    _ring: SharedRing,
-    _io_ring: SharedRing,
 }
 
 fn fixture() -> Fixture {
@@ -78,14 +79,11 @@ fn fixture() -> Fixture {
     let io_memory = blkplane_iothread::memory::MemoryTable::map(&specs, &files).expect("map");
     let segments = io_ring.slots().segments_per_slot() as usize;
     Fixture {
-        memory,
-        slots: ring.slots(),
-        io_slots: io_ring.slots(),
+        memory: Arc::new(memory),
+        ring,
+        io_ring,
         io_memory,
         state: SlotState::new(segments),
-        scratch: Vec::with_capacity(usize::from(blk::MAX_RING) + 1024),
-        _ring: ring,
-        _io_ring: io_ring,
     }
 }
 
@@ -117,8 +115,9 @@ thread_local! {
 
 static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
 
-/// Did the guest break the ring (the worker stops serving it)?
-struct Broken;
+/// Passes over the ring per input: a guest that keeps chains coming is served a ring's worth
+/// each time it is kicked again.
+const PASSES: u32 = 16;
 
 fuzz_target!(|data: &[u8]| {
     let input = Input::decode(data);
@@ -136,7 +135,7 @@ fn run(f: &mut Fixture, input: &Input) {
         // Patches outside guest memory are simply lost, as a guest cannot write there.
         let _ = mem.write_slice(bytes, GuestAddress(addr));
     }
-    let disk = disk(input.flags, input.capacity);
+    let disk = Arc::new(disk(input.flags, input.capacity));
 
     // As vhost_user.rs's maybe_start sets a ring up.
     let mut queue = Queue::new(blk::MAX_RING).expect("queue");
@@ -175,114 +174,129 @@ fn run(f: &mut Fixture, input: &Input) {
     };
     queue.set_next_used(used_idx.0);
 
-    // process_queue: pop everything, re-check after re-enabling notifications. Every request
-    // completes at once here, as the worker only completes those it answers itself
-    // (rejections, GET_ID, empty transfers): the budget stands in for a guest vCPU that keeps
-    // publishing such chains (docs/fuzzing.md, "Findings").
-    let _ = process_queue(f, &disk, &mut queue);
+    // As vhost_user.rs's private_inflight: a fresh region at the used index.
+    let limits = Limits {
+        max_queues: 1,
+        max_queue_size: blk::MAX_RING,
+    };
+    let (region, _file) = InflightRegion::create(1, blk::MAX_RING, limits).expect("region");
+    let mut inflight = Arc::new(region).queue(0).expect("inflight queue");
+    inflight
+        .recover(input.ring_size, used_idx.0, used_idx.0)
+        .expect("a fresh region");
+
+    // A fresh ring, as an iothread start makes it.
+    f.ring.reset_queues();
+    let ends = RingEnds {
+        submissions: f.ring.submission_producer(),
+        completions: f.ring.completion_consumer(),
+        slots: f.ring.slots(),
+    };
+    let status = Arc::new(DeviceStatus::new(1, 1));
+    let mut core = QueueCore::new(
+        Arc::clone(&disk),
+        status,
+        vec![0],
+        Arc::clone(&f.memory),
+        ends,
+    );
+    core.start_ring(0, queue, inflight, Vec::new());
+    let mut iothread = Iothread {
+        submissions: f.io_ring.submission_consumer(),
+        completions: f.io_ring.completion_producer(),
+    };
+    for _ in 0..PASSES {
+        core.process_ring(0, 0);
+        core.publish_submissions();
+        iothread.run(f, &core, disk.capacity_bytes());
+        // A correct iothread's completions are always accepted.
+        if let Err(e) = core.reap() {
+            panic!("the core refused a correct iothread's completions: {e}");
+        }
+        assert_eq!(core.in_flight(), 0, "every slot handed over came back");
+        let mut again = false;
+        while let Some(action) = core.next_action() {
+            match action {
+                Action::RingBroken(_) => return,
+                Action::Rekick(_) => again = true,
+                Action::ArmThrottleTimer(_) => panic!("no limits are set"),
+                Action::ReplaceIothread => panic!("the iothread was correct"),
+            }
+        }
+        if !again {
+            return;
+        }
+    }
 }
 
-fn process_queue(f: &mut Fixture, disk: &DiskConfig, queue: &mut Queue) -> Result<(), Broken> {
-    let mut budget = 16 * u32::from(blk::MAX_RING);
-    loop {
-        queue
-            .disable_notification(f.memory.guest_memory())
-            .map_err(|_| Broken)?;
-        loop {
-            let head = match queue.iter(f.memory.guest_memory()) {
-                Ok(mut chains) => chains.next().map(|chain| chain.head_index()),
-                Err(_) => return Err(Broken),
+/// The iothread's side of the shared ring.
+struct Iothread {
+    submissions: blkplane_proto::ring::Consumer<u32>,
+    completions: blkplane_proto::ring::Producer<Completion>,
+}
+
+impl Iothread {
+    /// Executes every published slot as engine.rs's start() does on a null image of
+    /// `image_size` bytes, and publishes the completions.
+    fn run(&mut self, f: &mut Fixture, core: &QueueCore, image_size: u64) {
+        let io_slots = f.io_ring.slots();
+        while let Some(slot) = self.submissions.pop().expect("the frontend's indices") {
+            let header = io_slots.header(slot).expect("a slot of the table");
+            let (iovecs, ranges) = f.state.buffers().expect("slot idle");
+            let parsed = blkplane_iothread::request::parse(
+                &io_slots,
+                slot,
+                &f.io_memory,
+                image_size,
+                iovecs,
+                ranges,
+            );
+            let parsed = match parsed {
+                Ok(parsed) => parsed,
+                Err(e) => {
+                    panic!("the iothread refuses what the frontend handed over ({header:?}): {e}")
+                }
             };
-            let Some(head) = head else { break };
-            budget = budget.checked_sub(1).ok_or(Broken)?;
-            handle_chain(f, disk, queue, head)?;
-        }
-        match queue.enable_notification(f.memory.guest_memory()) {
-            Ok(true) => continue,
-            Ok(false) => return Ok(()),
-            Err(_) => return Err(Broken),
-        }
-    }
-}
-
-/// worker.rs's handle_chain, for local queue 0 (slot = head), with the iothread inline.
-fn handle_chain(
-    f: &mut Fixture,
-    disk: &DiskConfig,
-    queue: &mut Queue,
-    head: u16,
-) -> Result<(), Broken> {
-    let mem = f.memory.guest_memory();
-    let size = queue.size();
-    if head >= size {
-        return Err(Broken);
-    }
-    let slot = u32::from(head);
-    let desc_table = GuestAddress(queue.desc_table());
-    match request::collect_chain(mem, desc_table, size, head, &mut f.scratch) {
-        Ok(()) => {}
-        Err(ChainError::HeadOutOfRange(_)) => return Err(Broken),
-        Err(_) => return complete_now(mem, queue, head, None, 0),
-    }
-    let mut sink = SlotSink::new(&f.slots, slot);
-    let request = match request::parse(&f.scratch, &f.memory, disk, &mut sink) {
-        Ok(request) => request,
-        Err(Rejected { error, status }) => {
-            if let Some(addr) = status {
+            let state = *core.slot(slot).expect("a slot of the core");
+            assert!(state.in_flight, "slot {slot} published but not in flight");
+            if header.status_region != NO_STATUS {
+                let status_byte = f
+                    .io_memory
+                    .region(header.status_region)
+                    .and_then(|region| region.address(header.status_offset, 1));
                 assert!(
-                    mem.address_in_range(addr),
-                    "rejection status {addr:?} outside guest memory: {error}"
+                    status_byte.is_some(),
+                    "status byte at {}:{:#x}, outside the iothread's memory",
+                    header.status_region,
+                    header.status_offset
                 );
             }
-            let used = u32::from(status.is_some());
-            let status = status.map(|addr| (addr, error.status()));
-            return complete_now(mem, queue, head, status, used);
+            let status = match parsed {
+                IoRequest::Answer { status } => {
+                    assert_eq!(state.opcode, Opcode::Answer);
+                    status
+                }
+                parsed => {
+                    check_agreement(&state, &header, &parsed, ranges_of(&mut f.state, &parsed));
+                    // SAFETY: parse just filled the iovecs with ranges inside io_memory's
+                    // mappings, which stay mapped for the fixture's life; nothing else touches
+                    // them during the call.
+                    let step = unsafe { f.state.run_null(parsed) };
+                    assert_eq!(step, Step::Complete(VIRTIO_BLK_S_OK));
+                    VIRTIO_BLK_S_OK
+                }
+            };
+            self.completions
+                .push(Completion {
+                    slot,
+                    status,
+                    completed_ns: 0,
+                })
+                .expect("a completion entry per slot");
         }
-    };
-    assert!(
-        mem.address_in_range(request.status),
-        "status outside memory"
-    );
-    assert!(request.segments <= disk.segments_per_slot());
-    // The worker's hand-over: what is answered without the iothread, or the slot header.
-    let Some((_, header)) = request.slot_header(disk.writeback()) else {
-        if request.kind != RequestKind::GetId {
-            let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
-            return complete_now(mem, queue, head, ok, 1);
-        }
-        let status = match request::write_stream(mem, &f.scratch, &disk.serial) {
-            Ok(()) => VIRTIO_BLK_S_OK as u8,
-            Err(_) => VIRTIO_BLK_S_IOERR as u8,
-        };
-        let used = request.used_len();
-        return complete_now(mem, queue, head, Some((request.status, status)), used);
-    };
-    f.slots
-        .set_header(slot, header)
-        .expect("a parsed request always fits its slot");
-
-    // The iothread: engine.rs's start() on a null image of the disk's size.
-    let image_size = disk.capacity_bytes();
-    let (iovecs, ranges) = f.state.buffers().expect("slot idle");
-    let parsed = blkplane_iothread::request::parse(
-        &f.io_slots,
-        slot,
-        &f.io_memory,
-        image_size,
-        iovecs,
-        ranges,
-    );
-    let parsed = match parsed {
-        Ok(parsed) => parsed,
-        Err(e) => panic!("the iothread refuses what the frontend accepted ({request:?}): {e}"),
-    };
-    check_agreement(&request, &parsed, ranges_of(&mut f.state, &parsed));
-    // SAFETY: parse just filled the iovecs with ranges inside io_memory's mappings, which
-    // stay mapped for the fixture's life; nothing else touches them during the call.
-    let step = unsafe { f.state.run_null(parsed) };
-    assert_eq!(step, Step::Complete(VIRTIO_BLK_S_OK));
-    let ok = Some((request.status, VIRTIO_BLK_S_OK as u8));
-    complete_now(mem, queue, head, ok, request.used_len())
+        self.submissions.release();
+        self.completions.publish();
+    }
 }
 
 fn ranges_of(state: &mut SlotState, parsed: &IoRequest) -> Vec<ImageRange> {
@@ -296,12 +310,18 @@ fn ranges_of(state: &mut SlotState, parsed: &IoRequest) -> Vec<ImageRange> {
         .unwrap_or_default()
 }
 
-/// The frontend's request and the iothread's reading of its slot describe the same I/O.
-fn check_agreement(request: &request::Request, parsed: &IoRequest, ranges: Vec<ImageRange>) {
-    let segments = request.segments as usize;
-    match (request.kind, *parsed) {
+/// The core's record of a slot, the header it wrote and the iothread's reading of the slot
+/// describe the same I/O.
+fn check_agreement(
+    state: &blkplane_frontend::queue_core::SlotState,
+    header: &blkplane_proto::ring::SlotHeader,
+    parsed: &IoRequest,
+    ranges: Vec<ImageRange>,
+) {
+    let segments = header.segment_count as usize;
+    match (state.opcode, *parsed) {
         (
-            RequestKind::Read { offset },
+            Opcode::Read,
             IoRequest::Read {
                 image_offset,
                 len,
@@ -309,7 +329,7 @@ fn check_agreement(request: &request::Request, parsed: &IoRequest, ranges: Vec<I
             },
         )
         | (
-            RequestKind::Write { offset },
+            Opcode::Write,
             IoRequest::Write {
                 image_offset,
                 len,
@@ -317,31 +337,17 @@ fn check_agreement(request: &request::Request, parsed: &IoRequest, ranges: Vec<I
                 ..
             },
         ) => {
-            assert_eq!(offset, image_offset);
-            assert_eq!(len, u64::from(request.data_len));
+            assert_eq!(header.image_offset, image_offset);
+            assert_eq!(len, state.bytes);
             assert_eq!(iovecs, segments);
         }
-        (RequestKind::Flush, IoRequest::Flush) => {}
-        (RequestKind::Discard, IoRequest::Discard { ranges: n })
-        | (RequestKind::WriteZeroes, IoRequest::WriteZeroes { ranges: n }) => {
+        (Opcode::Flush, IoRequest::Flush) => {}
+        (Opcode::Discard, IoRequest::Discard { ranges: n })
+        | (Opcode::WriteZeroes, IoRequest::WriteZeroes { ranges: n }) => {
             assert_eq!(n, segments);
             let bytes: u64 = ranges.iter().map(|r| r.len).sum();
-            assert_eq!(bytes, request.bytes);
+            assert_eq!(bytes, state.bytes);
         }
-        (kind, parsed) => panic!("frontend {kind:?} became {parsed:?} in the iothread"),
+        (opcode, parsed) => panic!("frontend {opcode:?} became {parsed:?} in the iothread"),
     }
-}
-
-/// worker.rs's complete_now: status byte, then the used entry.
-fn complete_now(
-    mem: &GuestMemoryMmap,
-    queue: &mut Queue,
-    head: u16,
-    status: Option<(GuestAddress, u8)>,
-    used_len: u32,
-) -> Result<(), Broken> {
-    if let Some((addr, value)) = status {
-        let _ = mem.write_obj(value, addr);
-    }
-    queue.add_used(mem, head, used_len).map_err(|_| Broken)
 }
