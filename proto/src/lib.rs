@@ -33,7 +33,6 @@ pub mod dirty_log;
 pub mod inflight;
 pub mod ring;
 pub mod shm;
-pub mod throttle;
 
 /// Protobuf messages of package `blkplane.v1` generated from `blkplane/v1/frontend.proto`.
 #[allow(missing_docs, clippy::all)]

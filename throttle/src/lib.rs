@@ -32,6 +32,8 @@
 pub mod bucket;
 pub mod config;
 pub mod group;
+#[cfg(feature = "wire")]
+pub mod wire;
 
 pub use bucket::{Admission, Direction, Operation, SharedBuckets, Throttle};
 pub use config::{BucketKind, BucketLimit, LimitsError, ThrottleLimits, MAX_LENGTH_MAX, VALUE_MAX};

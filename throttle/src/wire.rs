@@ -1,10 +1,12 @@
-//! The admin channel's `ThrottleLimits` (proto/blkplane/v1/frontend.proto, also used by the
-//! gRPC API) and the throttle crate's limits are the same eighteen numbers and `iops_size`:
-//! one conversion each way, so blkplaned and the frontend validate exactly the same thing.
+//! The wire's `ThrottleLimits` (proto/blkplane/v1/frontend.proto, also used by the gRPC API)
+//! and this crate's limits are the same eighteen numbers and `iops_size`: one conversion each
+//! way, so blkplaned and the frontend validate exactly the same thing. Behind the `wire`
+//! feature, so that blkplane-proto holds wire formats only and the arithmetic needs no
+//! protobuf.
 
-use blkplane_throttle::{BucketLimit, ThrottleLimits};
+use blkplane_proto::v1;
 
-use crate::v1;
+use crate::{BucketLimit, ThrottleLimits};
 
 fn bucket(avg: u64, max: u64, max_length: u64) -> BucketLimit {
     BucketLimit {
