@@ -10,7 +10,7 @@
 //! kernel — waking the iothread, signalling a ring's error eventfd, kicking itself to come
 //! back to a busy ring, arming the throttle timer, replacing the iothread — it asks its event
 //! loop for through [`QueueCore::publish_submissions`] and [`QueueCore::next_action`]. The
-//! event loop ([`crate::worker`]) owns every descriptor, thread and channel, and stays thin;
+//! event loop (the worker, worker.rs) owns every descriptor, thread and channel, and stays thin;
 //! the unit tests below and the `virtio_blk_request` fuzz target drive this type as the worker
 //! does.
 //!

@@ -257,7 +257,7 @@ impl Workers {
         self.0.iter()
     }
 
-    /// The workers as a slice (drain and resume take any [`crate::lifecycle::Pausable`]s).
+    /// The workers as a slice (what drain and resume go through).
     pub fn as_slice(&self) -> &[WorkerHandle] {
         &self.0
     }
