@@ -96,7 +96,8 @@ pub struct SlotState {
     pub bytes: u64,
     /// Waiting for the I/O limits: popped and parsed, not yet handed to the iothread.
     pub throttled: bool,
-    /// When the request was taken off the avail ring ([`blkplane_proto::clock::monotonic_ns`]).
+    /// When the pass that took the request off the avail ring began
+    /// ([`blkplane_proto::clock::monotonic_ns`]; one clock read per kick, not per request).
     pub popped_ns: u64,
 }
 

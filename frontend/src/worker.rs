@@ -394,7 +394,6 @@ impl Worker {
             // Completions first: a head the driver made available again after its use is
             // free only once its completion is read.
             let mut iothread_died = self.core.reap().is_err();
-            let now = monotonic_ns();
             for event in events.iter().take(ready) {
                 match event.data() {
                     TOKEN_COMMAND => {
@@ -410,13 +409,15 @@ impl Worker {
                         let local = blkplane_proto::usize_from(local);
                         if let Some(Some(ring)) = self.fds.get(local) {
                             drain_eventfd(ring.kick.as_raw_fd());
-                            self.core.process_ring(local, now);
+                            // Read per kick, not per wake-up: a command handled before it
+                            // may have waited (a stop, a drain).
+                            self.core.process_ring(local, monotonic_ns());
                         }
                     }
                 }
             }
             if caught {
-                self.core.process_all(now);
+                self.core.process_all(monotonic_ns());
             }
             self.flush();
             if iothread_died || std::mem::take(&mut self.replace_iothread) {
