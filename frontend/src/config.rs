@@ -72,8 +72,8 @@ pub struct DiskConfig {
     writeback: AtomicBool,
     /// The setting the device starts with, from the cache mode.
     default_writeback: bool,
-    /// The bound of the workers' adaptive polling of the avail rings (zero: never poll); see
-    /// `crate::poll`.
+    /// The bound of the adaptive polling (zero: never poll): the workers' of the avail rings
+    /// and the iothreads' of their submission queues; see `blkplane_poll`.
     pub poll_max: std::time::Duration,
 }
 

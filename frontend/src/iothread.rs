@@ -68,6 +68,8 @@ pub struct IothreadLink {
     previous_exit: Option<ExitStatus>,
     /// CPUs the process may run on (`--iothread-cpus`); all when `None`.
     cpus: Option<libc::cpu_set_t>,
+    /// The bound of the process's polling of its submission queue, in µs (`--poll-max-us`).
+    poll_max_us: u32,
 }
 
 impl IothreadLink {
@@ -107,6 +109,7 @@ impl IothreadLink {
             process: None,
             previous_exit: None,
             cpus: None,
+            poll_max_us: 0,
         })
     }
 
@@ -119,6 +122,12 @@ impl IothreadLink {
             unsafe { libc::CPU_SET(cpu, &mut set) };
         }
         self.cpus = Some(set);
+    }
+
+    /// Lets this iothread (from its next start on) poll its submission queue for up to `max`
+    /// before it sleeps with nothing at the device (`--poll-max-us`; zero: never).
+    pub fn set_poll_max(&mut self, max: std::time::Duration) {
+        self.poll_max_us = u32::try_from(max.as_micros()).unwrap_or(u32::MAX);
     }
 
     /// The control socket, which reports hang-up when the process dies; `None` when no
@@ -193,6 +202,7 @@ impl IothreadLink {
             flags,
             logical_block_size: self.block_size,
             image_size,
+            poll_max_us: self.poll_max_us,
         };
         self.call(&request, &fds)?;
         self.set_memory(memory)

@@ -21,7 +21,6 @@ pub mod image;
 pub mod iothread;
 pub mod lifecycle;
 pub mod memory;
-pub mod poll;
 pub mod queue_core;
 pub mod request;
 pub mod resize;

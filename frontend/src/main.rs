@@ -75,8 +75,10 @@ struct Args {
     #[arg(long, requires = "admin_socket")]
     drained: bool,
     /// Bound of the adaptive polling, in microseconds: a worker with requests in flight
-    /// watches its avail rings for the driver's next request up to this long before it sleeps
-    /// (the window adapts, as QEMU's poll-max-ns; an idle disk never polls). 0 disables it.
+    /// watches its avail rings for the driver's next request, and an iothread with nothing at
+    /// the device its submission queue for the worker's next slot, up to this long before
+    /// they sleep (the windows adapt, as QEMU's poll-max-ns; an idle disk never polls). 0
+    /// disables both.
     #[arg(long, default_value_t = DEFAULT_POLL_MAX_US, value_parser = clap::value_parser!(u32).range(0..=MAX_POLL_MAX_US))]
     poll_max_us: u32,
     /// Serve as this user, group and supplementary groups (numeric, `UID:GID[:GROUP,...]`;
@@ -89,9 +91,8 @@ struct Args {
 
 /// `--poll-max-us` by default (see BENCHMARKS.md for how it was chosen).
 const DEFAULT_POLL_MAX_US: u32 = 200;
-/// The largest `--poll-max-us`: longer than a driver takes to queue its next request, short
-/// enough that a wrong setting cannot make a worker spin for long.
-const MAX_POLL_MAX_US: i64 = 1000;
+/// The largest `--poll-max-us`: the largest an iothread's `Setup` may carry.
+const MAX_POLL_MAX_US: i64 = blkplane_proto::control::MAX_POLL_MAX_US as i64;
 
 /// How long a starting frontend waits for the processes of a previous one on the same socket.
 const SOCKET_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -217,6 +218,7 @@ fn run(args: Args) -> Result<(), String> {
         if let Some(cpus) = &args.iothread_cpus {
             link.set_cpus(&cpus.0);
         }
+        link.set_poll_max(disk.poll_max);
         let worker = WorkerHandle::spawn(
             usize::from(index),
             Arc::clone(&disk),

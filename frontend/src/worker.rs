@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use blkplane_poll::AdaptivePoll;
 use blkplane_proto::clock::monotonic_ns;
 use blkplane_proto::control::ControlError;
 use blkplane_proto::dirty_log::DirtyLog;
@@ -38,7 +39,6 @@ use vmm_sys_util::timerfd::TimerFd;
 use crate::config::DiskConfig;
 use crate::iothread::{IothreadError, IothreadLink};
 use crate::memory::MemoryTable;
-use crate::poll::AdaptivePoll;
 use crate::queue_core::{Action, QueueCore};
 use crate::stats::DeviceStatus;
 use crate::throttle::DiskThrottle;
@@ -197,7 +197,6 @@ impl WorkerHandle {
             commands: receiver,
             wake: wake.try_clone()?,
             poll: AdaptivePoll::new(disk.poll_max),
-            poll_max: disk.poll_max,
             throttle_timer: nonblocking_timer()?,
             replace_iothread: false,
         };
@@ -321,9 +320,8 @@ struct Worker {
     commands: Receiver<Command>,
     wake: EventFd,
     /// How long to watch the avail rings before sleeping while requests are in flight.
+    /// The polling window, bounded by the disk's `--poll-max-us`.
     poll: AdaptivePoll,
-    /// The disk's polling bound (`--poll-max-us`); zero: no polling.
-    poll_max: Duration,
     /// Fires when throttled requests may go ([`Action::ArmThrottleTimer`]).
     throttle_timer: TimerFd,
     /// The core found the iothread breaking the completion queue's rules
@@ -373,8 +371,7 @@ impl Worker {
             // With requests in flight the guest is likely to queue more soon: when the last
             // waits were short, watch the avail rings (guest memory, no system call) before
             // sleeping, and so save the sleep and the wake-up.
-            let waiting =
-                (self.core.in_flight() > 0 && !self.poll_max.is_zero()).then(Instant::now);
+            let waiting = (self.core.in_flight() > 0 && self.poll.enabled()).then(Instant::now);
             let caught = waiting.is_some_and(|start| self.poll_avail(start));
             // The worker is not woken for completions: it reads them below, whenever it wakes.
             self.core.release_completions();
@@ -426,22 +423,14 @@ impl Worker {
         }
     }
 
-    /// Spins until an avail ring has a new entry or the poll window since `start` has passed;
-    /// returns whether one had.
+    /// Polls the avail rings until one has a new entry or the poll window since `start` has
+    /// passed; returns whether one had.
     fn poll_avail(&self, start: Instant) -> bool {
         let window = self.poll.window();
         if window.is_zero() || self.core.paused() {
             return false;
         }
-        loop {
-            if self.core.avail_pending() {
-                return true;
-            }
-            if start.elapsed() >= window {
-                return false;
-            }
-            std::hint::spin_loop();
-        }
+        blkplane_poll::spin_until(start, window, || self.core.avail_pending())
     }
 
     /// Publishes what the core queued (waking the iothread if it sleeps) and does what the

@@ -43,7 +43,9 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
+use blkplane_poll::AdaptivePoll;
 use blkplane_proto::clock::monotonic_ns;
 use blkplane_proto::control::{
     self, ControlError, ControlReply, ControlRequest, QueueSpec, QUEUE_FLAG_CALL,
@@ -208,6 +210,8 @@ impl Token {
 pub struct Engine {
     uring: IoUring,
     core: Core,
+    /// The window of polling the submission queue before a sleep with nothing at the device.
+    poll: AdaptivePoll,
 }
 
 /// Everything but the io_uring, so that CQEs can be handled while the completion queue is
@@ -353,7 +357,15 @@ impl Engine {
                 control_poll_armed: false,
                 now_ns: monotonic_ns(),
             },
+            poll: AdaptivePoll::new(Duration::ZERO),
         })
+    }
+
+    /// Lets the engine poll its submission queue for up to `max` before it sleeps with no
+    /// request at the device (zero, the default: it never polls).
+    pub fn with_poll_max(mut self, max: Duration) -> Self {
+        self.poll = AdaptivePoll::new(max);
+        self
     }
 
     /// Serves the ring and the control socket until `Shutdown`, the control socket closing, or
@@ -378,8 +390,18 @@ impl Engine {
             // Sleep only with nothing left to submit or publish. While a held message waits
             // no new work is taken, so only in-flight I/O needs to wake us.
             let idle = self.core.pending.is_empty() && self.core.completions.unpublished() == 0;
+            // With nothing at the device, only the frontend's next slot (or a control message)
+            // can end the wait: poll for it first. Not while requests are at the device: the
+            // worker polls its avail rings then, and two pollers starve the client of a
+            // 2-vCPU machine (BENCHMARKS.md).
+            let polled = (self.poll.enabled()
+                && idle
+                && self.core.held.is_none()
+                && self.core.in_flight == 0)
+                .then(Instant::now);
+            let caught = polled.is_some_and(|start| self.poll_for_work(start));
             let mut announced = false;
-            let block = if !idle {
+            let block = if !idle || caught {
                 false
             } else if self.core.held.is_some() {
                 self.core.in_flight > 0
@@ -390,6 +412,9 @@ impl Engine {
             self.enter(block)?;
             if announced {
                 self.core.submissions.woke_up();
+            }
+            if let Some(start) = polled {
+                self.poll.record(start.elapsed());
             }
             self.core.now_ns = monotonic_ns();
 
@@ -411,10 +436,23 @@ impl Engine {
         }
     }
 
+    /// Polls until the frontend published a slot or a CQE arrived (a control message, the
+    /// submit eventfd), or the poll window since `start` has passed; returns whether one did.
+    fn poll_for_work(&mut self, start: Instant) -> bool {
+        let window = self.poll.window();
+        if window.is_zero() {
+            return false;
+        }
+        let Self { uring, core, .. } = self;
+        blkplane_poll::spin_until(start, window, || {
+            core.submissions.has_published() || !uring.completion().is_empty()
+        })
+    }
+
     /// Moves queued operations into the io_uring submission queue, submitting whenever it fills
     /// up. Whatever the kernel cannot take now stays queued for the next iteration.
     fn queue_sqes(&mut self) -> Result<(), EngineError> {
-        let Self { uring, core } = self;
+        let Self { uring, core, .. } = self;
         loop {
             {
                 let mut sq = uring.submission();
@@ -469,7 +507,7 @@ impl Engine {
 
     /// Handles every available CQE.
     fn reap(&mut self) -> Result<(), EngineError> {
-        let Self { uring, core } = self;
+        let Self { uring, core, .. } = self;
         let mut cq = uring.completion();
         loop {
             for cqe in &mut cq {

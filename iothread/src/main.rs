@@ -15,9 +15,11 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
+    self, ControlError, ControlReply, ControlRequest, MAX_POLL_MAX_US, SETUP_FLAG_DIRECT_FD,
+    SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
@@ -79,6 +81,9 @@ enum SetupError {
     /// `Setup` carried an image size for a file image, whose size comes from its fd.
     #[error("Setup gives image size {0} for a file image")]
     UnexpectedImageSize(u64),
+    /// `Setup` asked for a polling bound beyond [`MAX_POLL_MAX_US`].
+    #[error("Setup gives a polling bound of {0} µs, more than {MAX_POLL_MAX_US}")]
+    PollBound(u32),
     /// The ring memfd is not a valid ring.
     #[error("ring: {0}")]
     Ring(#[from] RingError),
@@ -100,6 +105,7 @@ impl SetupError {
             Self::UnknownFlags(_)
             | Self::ConflictingFlags(_)
             | Self::UnexpectedImageSize(_)
+            | Self::PollBound(_)
             | Self::RingNotSealed => libc::EINVAL,
             Self::Ring(RingError::Os { source, .. }) => {
                 source.raw_os_error().unwrap_or(libc::EINVAL)
@@ -232,12 +238,13 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         Err(ControlError::Closed) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let (flags, logical_block_size, image_size) = match request {
+    let (flags, logical_block_size, image_size, poll_max_us) = match request {
         ControlRequest::Setup {
             flags,
             logical_block_size,
             image_size,
-        } => (flags, logical_block_size, image_size),
+            poll_max_us,
+        } => (flags, logical_block_size, image_size, poll_max_us),
         ControlRequest::SetMemoryTable(_) => return Err(SetupError::NotSetup("SetMemoryTable")),
         ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
         ControlRequest::StartQueue(_) => return Err(SetupError::NotSetup("StartQueue")),
@@ -255,6 +262,9 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
     // A file's size comes from its fd; a second source could only disagree with it.
     if !null && image_size != 0 {
         return Err(SetupError::UnexpectedImageSize(image_size));
+    }
+    if poll_max_us > MAX_POLL_MAX_US {
+        return Err(SetupError::PollBound(poll_max_us));
     }
     let got = files.len();
     let fd_count_error = |expected| SetupError::Control(ControlError::FdCount { got, expected });
@@ -275,12 +285,9 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         // recv_request checked that the fifth fd is there exactly when the flag says so.
         Image::new(buffered, files.next(), logical_block_size)?
     };
-    Ok(Some(Engine::new(
-        &ring,
-        submit_eventfd,
-        complete_eventfd,
-        image,
-    )?))
+    let engine = Engine::new(&ring, submit_eventfd, complete_eventfd, image)?
+        .with_poll_max(Duration::from_micros(u64::from(poll_max_us)));
+    Ok(Some(engine))
 }
 
 /// The iothread reads slots straight from the ring mapping, so the file must not be able to

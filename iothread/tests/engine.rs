@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, MemoryRegionSpec, SETUP_FLAG_DIRECT_FD,
-    SETUP_FLAG_NULL_IMAGE,
+    self, ControlError, ControlReply, ControlRequest, MemoryRegionSpec, MAX_POLL_MAX_US,
+    SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{
     Completion, Consumer, Opcode, Producer, Segment, SharedRing, SlotHeader, SlotTable,
@@ -143,6 +143,8 @@ struct Options {
     nonblocking_submit_eventfd: bool,
     /// Set up a null image of this size instead of the image file (which is then untouched).
     null_image: Option<u64>,
+    /// The bound of the engine's polling of its submission queue (`Setup`'s `poll_max_us`).
+    poll_max_us: u32,
 }
 
 impl Default for Options {
@@ -155,6 +157,7 @@ impl Default for Options {
             direct_read_only: false,
             nonblocking_submit_eventfd: true,
             null_image: None,
+            poll_max_us: 0,
         }
     }
 }
@@ -260,6 +263,7 @@ impl Frontend {
             flags,
             logical_block_size,
             image_size: options.null_image.unwrap_or(0),
+            poll_max_us: options.poll_max_us,
         };
         frontend.request(&setup, &fds)?;
         Ok(frontend)
@@ -992,6 +996,7 @@ fn a_bad_setup_is_refused() {
             flags: 0,
             logical_block_size: 512,
             image_size: 0,
+            poll_max_us: 0,
         };
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
@@ -1001,8 +1006,9 @@ fn a_bad_setup_is_refused() {
     }
 }
 
-#[test]
-fn unknown_setup_flags_are_refused() {
+/// Sends `setup` to a fresh iothread (with a file image's four fds) and checks it is refused
+/// with EINVAL and the iothread exits with status 1.
+fn assert_setup_refused(setup: ControlRequest) {
     let ring = SharedRing::create(4, 4).unwrap();
     let image = TempImage::new(&std::env::temp_dir());
     let mut fe = Frontend::spawn(ring, eventfd(true), eventfd(true), image);
@@ -1012,16 +1018,70 @@ fn unknown_setup_flags_are_refused() {
         fe.complete_eventfd.as_raw_fd(),
         fe.image.file.as_raw_fd(),
     ];
-    let setup = ControlRequest::Setup {
-        flags: 0x100,
-        logical_block_size: 512,
-        image_size: 0,
-    };
     match fe.request(&setup, &fds) {
         Err(ControlError::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
         other => panic!("{other:?}"),
     }
     assert_eq!(fe.wait_exit().code(), Some(1));
+}
+
+#[test]
+fn unknown_setup_flags_are_refused() {
+    assert_setup_refused(ControlRequest::Setup {
+        flags: 0x100,
+        logical_block_size: 512,
+        image_size: 0,
+        poll_max_us: 0,
+    });
+}
+
+#[test]
+fn a_polling_bound_beyond_the_largest_is_refused() {
+    assert_setup_refused(ControlRequest::Setup {
+        flags: 0,
+        logical_block_size: 512,
+        image_size: 0,
+        poll_max_us: MAX_POLL_MAX_US + 1,
+    });
+}
+
+/// With polling on, requests that come one after another (each published while the engine
+/// may be polling, kicked only when it announced that it sleeps) are all served, and an idle
+/// engine stops polling within its bound: its submission queue shows it asleep.
+#[test]
+fn a_polling_engine_serves_requests_and_sleeps_when_idle() {
+    let mut fe = Frontend::start(Options {
+        poll_max_us: MAX_POLL_MAX_US,
+        ..Options::default()
+    });
+    for i in 0..300u32 {
+        fe.write_guest(0, 4096 * u64::from(i % 16), &pattern(i as u8, 4096));
+        let write = rw(
+            i % 16,
+            Opcode::Write,
+            4096 * u64::from(i),
+            &[data(0, 4096 * u64::from(i % 16), 4096)],
+        );
+        assert_eq!(fe.run_one(write), OK, "write {i}");
+    }
+    for i in 0..300u32 {
+        assert!(
+            fe.image.read(4096 * u64::from(i), 4096) == pattern(i as u8, 4096),
+            "block {i}"
+        );
+    }
+    // 100 times the bound after the last request.
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        fe.sq.publish(),
+        "the engine still polls 100 ms after its last request: its 1 ms bound does not hold"
+    );
+    // And a kick still wakes it.
+    fe.write_guest(0, 0, &pattern(7, 4096));
+    let write = rw(0, Opcode::Write, 0, &[data(0, 0, 4096)]);
+    assert_eq!(fe.run_one(write), OK);
+    assert!(fe.image.read(0, 4096) == pattern(7, 4096));
+    assert!(fe.shutdown().success());
 }
 
 #[test]
@@ -1153,6 +1213,7 @@ fn bad_null_image_setups_are_refused() {
             flags,
             logical_block_size: 512,
             image_size,
+            poll_max_us: 0,
         };
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => {

@@ -5,7 +5,7 @@
 //!
 //! | message | bytes | fds |
 //! |---|---|---|
-//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd] |
+//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64, poll_max_us: u32 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd] |
 //! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64, guest_addr: u64) | one per region, in index order |
 //! | `Shutdown` | tag 3: u32 | — |
 //! | `StartQueue` | tag 4: u32, queue: u16, size: u16, flags: u32, avail_addr: u64, used_addr: u64, next_used: u16, inflight_queue: u16, inflight_queues: u16, inflight_size: u16, inflight_offset: u64 | inflight region, then (with [`QUEUE_FLAG_CALL`]) the call eventfd |
@@ -14,7 +14,7 @@
 //! | `SetDirtyLog` | tag 7: u32, present: u32, size: u64, offset: u64 | the log's memfd when present is 1 |
 //! | reply | tag 0x80: u32, errno: i32 (0 = success) | — |
 //!
-//! `Setup` byte by byte (20 bytes):
+//! `Setup` byte by byte (24 bytes):
 //!
 //! | offset | size | field |
 //! |---|---|---|
@@ -22,6 +22,7 @@
 //! | 4 | 4 | flags: [`SETUP_FLAG_DIRECT_FD`], [`SETUP_FLAG_NULL_IMAGE`]; other bits are refused |
 //! | 8 | 4 | logical_block_size: the alignment O_DIRECT transfers need |
 //! | 12 | 8 | image_size: the null image's size in bytes; 0 for a file image, whose size the iothread reads from the fd itself |
+//! | 20 | 4 | poll_max_us: the bound of the iothread's adaptive polling of its submission queue, in µs (the disk's `--poll-max-us`); 0: it never polls |
 //!
 //! With [`SETUP_FLAG_NULL_IMAGE`] no image fd travels (three fds in all) and
 //! [`SETUP_FLAG_DIRECT_FD`] must be clear: the iothread completes reads by zero-filling the
@@ -53,6 +54,10 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// The most memory regions a table may have (the frontend advertises this many mem slots).
 pub const MAX_MEMORY_REGIONS: usize = 32;
+/// The largest polling bound, in µs, a `Setup` may carry (the frontend's `--poll-max-us`
+/// range): long enough for a driver's next request, short enough that no setting makes an
+/// iothread spin for long.
+pub const MAX_POLL_MAX_US: u32 = 1000;
 /// The most file descriptors one message carries.
 pub const MAX_FDS: usize = MAX_MEMORY_REGIONS;
 /// The largest encoded message.
@@ -163,6 +168,9 @@ pub enum ControlRequest {
         logical_block_size: u32,
         /// With [`SETUP_FLAG_NULL_IMAGE`], the null image's size in bytes; otherwise 0.
         image_size: u64,
+        /// How long, in µs, the iothread may poll its submission queue before it sleeps with
+        /// nothing at the device (the window adapts below it); 0: never.
+        poll_max_us: u32,
     },
     /// Replaces the whole memory table.
     SetMemoryTable(Vec<MemoryRegionSpec>),
@@ -212,11 +220,13 @@ impl ControlRequest {
                 flags,
                 logical_block_size,
                 image_size,
+                poll_max_us,
             } => {
                 out.extend_from_slice(&TAG_SETUP.to_le_bytes());
                 out.extend_from_slice(&flags.to_le_bytes());
                 out.extend_from_slice(&logical_block_size.to_le_bytes());
                 out.extend_from_slice(&image_size.to_le_bytes());
+                out.extend_from_slice(&poll_max_us.to_le_bytes());
             }
             Self::SetMemoryTable(regions) => {
                 out.extend_from_slice(&TAG_SET_MEMORY_TABLE.to_le_bytes());
@@ -272,6 +282,7 @@ impl ControlRequest {
                 flags: reader.u32()?,
                 logical_block_size: reader.u32()?,
                 image_size: reader.u64()?,
+                poll_max_us: reader.u32()?,
             },
             TAG_SET_MEMORY_TABLE => {
                 let count = reader.u32()? as usize;
@@ -510,11 +521,13 @@ mod tests {
                 flags: SETUP_FLAG_DIRECT_FD,
                 logical_block_size: 512,
                 image_size: 0,
+                poll_max_us: 200,
             },
             ControlRequest::Setup {
                 flags: SETUP_FLAG_NULL_IMAGE,
                 logical_block_size: 4096,
                 image_size: 8 << 30,
+                poll_max_us: 0,
             },
             ControlRequest::SetMemoryTable(vec![
                 MemoryRegionSpec {
@@ -635,15 +648,20 @@ mod tests {
             flags: SETUP_FLAG_NULL_IMAGE,
             logical_block_size: 512,
             image_size: 0x0102_0304_0506_0708,
+            poll_max_us: 0x0a0b_0c0d,
         };
         let bytes = setup.encode();
-        assert_eq!(bytes.len(), 20);
+        assert_eq!(bytes.len(), 24);
         assert_eq!(bytes[0..4], 1u32.to_le_bytes());
         assert_eq!(bytes[4..8], SETUP_FLAG_NULL_IMAGE.to_le_bytes());
         assert_eq!(bytes[8..12], 512u32.to_le_bytes());
         assert_eq!(bytes[12..20], 0x0102_0304_0506_0708u64.to_le_bytes());
-        // The 12-byte Setup of the file-only protocol is now too short.
+        assert_eq!(bytes[20..24], 0x0a0b_0c0du32.to_le_bytes());
+        assert_eq!(ControlRequest::decode(&bytes).unwrap(), setup);
+        // The 12-byte Setup of the file-only protocol and the 20-byte one of the iothread
+        // that did not poll are now too short.
         assert!(ControlRequest::decode(&bytes[..12]).is_err());
+        assert!(ControlRequest::decode(&bytes[..20]).is_err());
     }
 
     #[test]
@@ -652,6 +670,7 @@ mod tests {
             flags,
             logical_block_size: 512,
             image_size: 0,
+            poll_max_us: 0,
         };
         assert_eq!(setup(0).expected_fds(), 4);
         assert_eq!(setup(SETUP_FLAG_DIRECT_FD).expected_fds(), 5);
