@@ -22,7 +22,12 @@
 //! `io_uring_enter` also waits for them: a read of the submit eventfd (the frontend's kick) and
 //! a poll of the control socket. Before every blocking wait the iothread announces it is going
 //! to sleep on the submission queue (`prepare_to_sleep`), so the frontend kicks only a sleeping
-//! iothread and new work arriving while I/O is in flight is never missed.
+//! iothread and new work arriving while I/O is in flight is never missed. With nothing at
+//! the device (and the disk's `--poll-max-us` not zero) it first polls the submission queue
+//! for the frontend's next slot, within an adaptive window ([`blkplane_poll`]): caught, the
+//! slot costs neither the frontend's eventfd write nor this thread's sleep and wake-up. It
+//! does not poll while requests are at the device: the frontend's worker polls its avail
+//! rings then, and a second spinner starves the client on a machine with few CPUs.
 //!
 //! `SetMemoryTable` and `Shutdown` are handled only while no request is in flight: a new
 //! table then cannot unmap memory the kernel is still transferring into, even from a frontend
