@@ -90,7 +90,7 @@ struct Args {
 }
 
 /// `--poll-max-us` by default (see BENCHMARKS.md for how it was chosen).
-const DEFAULT_POLL_MAX_US: u32 = 200;
+const DEFAULT_POLL_MAX_US: u32 = 400;
 /// The largest `--poll-max-us`: the largest an iothread's `Setup` may carry.
 const MAX_POLL_MAX_US: i64 = blkplane_proto::control::MAX_POLL_MAX_US as i64;
 
