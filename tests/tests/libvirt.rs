@@ -32,7 +32,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use blkplane_tests::daemon::{cmdline, kill, Daemon, Json};
+use blkplane_tests::daemon::{alive, cmdline, kill, Daemon, Json};
 use blkplane_tests::frontend::iothread_pids;
 use blkplane_tests::guest::*;
 use blkplane_tests::*;
@@ -512,8 +512,13 @@ impl Host<'_> {
         });
         let started = Instant::now();
         kill(old, libc::SIGKILL);
-        // Stopped processes take a SIGKILL (their parent-death signal) all the same; this only
-        // makes sure none is left stopped should one have survived.
+        // Stopped processes take a SIGKILL (their parent-death signal, frontend → spawner →
+        // iothread) all the same. Continued before it arrives, an iothread would run what it
+        // had been handed and exit cleanly, leaving nothing in flight to resubmit: wait for
+        // them to be gone, and only then continue any that survived, so none is left stopped.
+        let _ = wait_for(Duration::from_secs(10), || {
+            iothreads.iter().all(|&pid| !alive(pid)).then_some(())
+        });
         for &pid in &iothreads {
             kill(pid, libc::SIGCONT);
         }
