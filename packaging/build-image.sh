@@ -2,7 +2,7 @@
 # Builds blkplane's OCI image without a container registry, from Debian's packages and the
 # workspace's own release build (packaging/README.md):
 #
-#   1. the four binaries: `cargo build --release --locked -p blkplane-control
+#   1. the four binaries: `cargo build --release --locked -p blkplane-daemon -p blkplane-cli
 #      -p blkplane-frontend -p blkplane-iothread` (or --bin-dir DIR: binaries built elsewhere);
 #   2. the runtime base: a Debian rootfs made by mmdebstrap (essential variant plus
 #      packaging/runtime-packages, no documentation), kept as target/image/rootfs-KEY.tar and
@@ -78,7 +78,7 @@ last_from=$(grep -n '^FROM ' Containerfile | tail -n 1)
 binaries=(blkplaned blkplanectl blkplane-frontend blkplane-iothread)
 if [ -z "$bin_dir" ]; then
     echo "build-image.sh: cargo build --release"
-    cargo build --release --locked -p blkplane-control -p blkplane-frontend -p blkplane-iothread
+    cargo build --release --locked -p blkplane-daemon -p blkplane-cli -p blkplane-frontend -p blkplane-iothread
     bin_dir="${CARGO_TARGET_DIR:-$root/target}/release"
 fi
 for b in "${binaries[@]}"; do

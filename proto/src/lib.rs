@@ -11,7 +11,7 @@
 //! - [`clock`]: the monotonic clock both processes stamp requests with.
 //! - [`v1`]: the protobuf messages of `blkplane/v1/frontend.proto`, the admin channel between
 //!   `blkplaned` and a frontend (status, statistics, resize). The gRPC API of `blkplaned`
-//!   (`blkplane/v1/control.proto`) is generated in the `blkplane-control` crate and reuses
+//!   (`blkplane/v1/control.proto`) is generated in the `blkplane-api` crate and reuses
 //!   these messages.
 
 // Tests may panic on what they set up themselves.

@@ -56,8 +56,8 @@ pub struct Binaries {
 /// Returns the binaries under test, building them on first use.
 ///
 /// `BLKPLANE_BIN_DIR` overrides the build (for CI jobs that build separately). Otherwise this runs
-/// `$CARGO build -p blkplane-frontend -p blkplane-iothread -p blkplane-control` (the control
-/// package holds `blkplaned` and `blkplanectl`) with the profile (and target triple,
+/// `$CARGO build --workspace --all-targets` (which builds `blkplaned` of blkplane-daemon and
+/// `blkplanectl` of blkplane-cli too) with the profile (and target triple,
 /// if any) of the running test binary, into the same target directory, so the binaries match the
 /// tested tree even when only this package was rebuilt.
 pub fn binaries() -> &'static Binaries {

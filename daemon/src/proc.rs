@@ -200,21 +200,20 @@ fn listening_in(table: &str, path: &Path) -> bool {
 /// The CPUs this machine may have (/sys/devices/system/cpu/possible), `None` if unknown.
 pub fn possible_cpus() -> Option<Vec<u32>> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/possible").ok()?;
-    crate::validate::parse_cpu_list(text.trim()).ok()
+    parse_cpu_list(text.trim()).ok()
+}
+
+/// Parses a CPU list such as `0-1,3` into the CPU numbers (sorted, without duplicates).
+pub fn parse_cpu_list(list: &str) -> Result<Vec<u32>, String> {
+    // Every CPU is below CPU_SETSIZE (1024), so it fits u32.
+    blkplane_proto::cpus::parse_cpu_list(list)
+        .map(|cpus| cpus.into_iter().map(|c| c as u32).collect())
 }
 
 /// The size in bytes of the block device at `path`.
 pub fn block_device_size(path: &Path) -> std::io::Result<u64> {
     let mut f = File::open(path)?;
     f.seek(SeekFrom::End(0))
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn unix_time_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

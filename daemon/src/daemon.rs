@@ -18,18 +18,19 @@ use thiserror::Error;
 
 use crate::admin::{self, AdminError};
 use crate::events::EventBus;
-use crate::migration::{self, from_operator, reason_name};
+use crate::migration::{self, from_operator};
+use crate::paths::{self, DiskPaths};
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
 use crate::proc;
+use crate::runtime::serving;
 use crate::state::{
     DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, RunAsSpec, State, StateError, StateStore,
     StoredDisk, ThrottleSetting,
 };
-use crate::supervisor::{
-    self, serving, DiskHandle, DiskPaths, Initial, RestartPolicy, Settings, TakeoverWait,
-};
+use crate::supervisor::{self, DiskHandle, Initial, RestartPolicy, Settings, TakeoverWait};
 use crate::throttle::{self, GroupFile};
 use crate::validate::{self, ValidationError};
+use blkplane_api::names::{reason_name, state_name};
 
 /// How blkplaned is set up.
 #[derive(Debug, Clone)]
@@ -147,20 +148,6 @@ pub enum DaemonError {
         /// The OS error.
         source: std::io::Error,
     },
-}
-
-/// The name of a disk state as blkplanectl prints it.
-pub fn state_name(state: DiskState) -> &'static str {
-    match state {
-        DiskState::Unspecified => "unspecified",
-        DiskState::Starting => "starting",
-        DiskState::Ready => "ready",
-        DiskState::Connected => "connected",
-        DiskState::Restarting => "restarting",
-        DiskState::Failed => "failed",
-        DiskState::Stopping => "stopping",
-        DiskState::Drained => "drained",
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -338,9 +325,9 @@ impl Daemon {
                     continue;
                 }
                 let name = entry.file_name().to_string_lossy().into_owned();
-                match supervisor::split_runtime_name(&name) {
+                match paths::split_runtime_name(&name) {
                     // A default vhost-user socket of a disk that is gone, if nobody uses it.
-                    Some((id, supervisor::SOCKET_SUFFIX)) => {
+                    Some((id, paths::SOCKET_SUFFIX)) => {
                         let stale = !wanted.contains(id)
                             && entry.file_type().is_ok_and(|t| t.is_socket())
                             && !proc::is_listening(&path);
@@ -362,7 +349,7 @@ impl Daemon {
                 let a = a.to_string_lossy();
                 if let Some(id) = a
                     .strip_prefix(&prefix)
-                    .and_then(|rest| rest.strip_suffix(supervisor::ADMIN_SUFFIX))
+                    .and_then(|rest| rest.strip_suffix(paths::ADMIN_SUFFIX))
                 {
                     if !wanted.contains(id) {
                         orphans.insert(id.to_string());
@@ -507,10 +494,11 @@ impl Daemon {
             return Ok(req.clone());
         }
         let source = lock(&self.disks).get(&req.incoming_for).map(|d| {
-            let blockers: Vec<String> = migration::blockers(&d.runtime(), proc::unix_time_ms())
-                .iter()
-                .map(migration::Blocker::line)
-                .collect();
+            let blockers: Vec<String> =
+                migration::blockers(&d.runtime(), blkplane_api::time::unix_time_ms())
+                    .iter()
+                    .map(migration::Blocker::line)
+                    .collect();
             (d.config(), blockers)
         });
         let incoming = self
@@ -899,7 +887,7 @@ impl Daemon {
         let disk = self.get_handle(id)?;
         let reason = validate::check_operator_reason(reason)?;
         validate::check_blocker_message(message)?;
-        let now = proc::unix_time_ms();
+        let now = blkplane_api::time::unix_time_ms();
         self.change_lifecycle(&disk, |l| {
             match l.migration_blockers.iter_mut().find(|b| b.reason == reason) {
                 Some(b) if b.message == message => {}
@@ -1341,7 +1329,7 @@ impl Daemon {
 
 /// The limits that are set, for the log: `iops_total=500 bps_read=1048576`, or `none`.
 fn describe_limits(limits: &ThrottleLimits) -> String {
-    let set = throttle::set_limits(limits);
+    let set = blkplane_api::limits::set_limits(limits);
     if set.is_empty() {
         return "none".into();
     }

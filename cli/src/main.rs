@@ -4,14 +4,15 @@
 //! message, with the gRPC status code, goes to stderr), 2 for a command-line error. `health`
 //! exits 1 also when blkplaned answers with any status but SERVING.
 
+mod output;
+
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use blkplane_control::ctl;
-use blkplane_control::pb::control_client::ControlClient;
-use blkplane_control::pb::{
+use blkplane_api::pb::control_client::ControlClient;
+use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DrainDiskRequest, GetDiskRequest,
     GetStatsRequest, GetThrottleRequest, ListDisksRequest, MigrationStatus, RemoveDiskRequest,
     RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ThrottleConfig,
@@ -112,7 +113,7 @@ enum DiskCmd {
         /// The disk.
         id: String,
         /// The new size.
-        #[arg(value_parser = ctl::parse_size)]
+        #[arg(value_parser = output::parse_size)]
         size: u64,
     },
     /// Quiesce a disk for a snapshot or backup: the guest's requests wait (none fails), the
@@ -147,7 +148,7 @@ enum DiskCmd {
         id: String,
         // Boxed: its 21 options would make every other command as large.
         #[command(flatten)]
-        args: Box<ctl::ThrottleArgs>,
+        args: Box<output::ThrottleArgs>,
     },
 }
 
@@ -179,7 +180,7 @@ enum BlockerCmd {
 }
 
 fn parse_reason(s: &str) -> Result<i32, String> {
-    blkplane_control::migration::parse_reason(s).ok_or_else(|| {
+    blkplane_api::names::parse_reason(s).ok_or_else(|| {
         format!("{s:?} is not a reason: use backup, maintenance or other (or a number)")
     })
 }
@@ -258,7 +259,7 @@ struct Failure(String);
 
 impl From<tonic::Status> for Failure {
     fn from(s: tonic::Status) -> Self {
-        Failure(format!("{}: {}", ctl::code_name(s.code()), s.message()))
+        Failure(format!("{}: {}", output::code_name(s.code()), s.message()))
     }
 }
 
@@ -365,15 +366,15 @@ fn print_json(v: &Value) {
 
 fn print_migration(format: Format, m: &MigrationStatus) {
     match format {
-        Format::Json => print_json(&ctl::migration_json(m)),
-        Format::Table => print!("{}", ctl::migration_table(m)),
+        Format::Json => print_json(&output::migration_json(m)),
+        Format::Table => print!("{}", output::migration_table(m)),
     }
 }
 
 fn print_throttle(format: Format, t: &ThrottleConfig) {
     match format {
-        Format::Json => print_json(&ctl::throttle_json(t)),
-        Format::Table => print!("{}", ctl::throttle_detail(t)),
+        Format::Json => print_json(&output::throttle_json(t)),
+        Format::Table => print!("{}", output::throttle_detail(t)),
     }
 }
 
@@ -415,7 +416,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                     None => String::new(),
                 },
                 incoming_for: a.incoming_for.unwrap_or_default(),
-                run_as: a.run_as.map(|r| blkplane_control::pb::RunAs {
+                run_as: a.run_as.map(|r| blkplane_api::pb::RunAs {
                     uid: r.uid,
                     gid: r.gid,
                     groups: r.groups,
@@ -424,8 +425,8 @@ async fn run(args: Args) -> Result<(), Failure> {
             };
             let disk = client.add_disk(req).await?.into_inner();
             match format {
-                Format::Json => print_json(&ctl::disk_json(&disk)),
-                Format::Table => print!("{}", ctl::disk_detail(&disk)),
+                Format::Json => print_json(&output::disk_json(&disk)),
+                Format::Table => print!("{}", output::disk_detail(&disk)),
             }
         }
         Cmd::Disk(DiskCmd::Remove { id, force }) => {
@@ -448,16 +449,16 @@ async fn run(args: Args) -> Result<(), Failure> {
                 .disks;
             match format {
                 Format::Json => {
-                    print_json(&Value::Array(disks.iter().map(ctl::disk_json).collect()))
+                    print_json(&Value::Array(disks.iter().map(output::disk_json).collect()))
                 }
-                Format::Table => print!("{}", ctl::disks_table(&disks)),
+                Format::Table => print!("{}", output::disks_table(&disks)),
             }
         }
         Cmd::Disk(DiskCmd::Show { id }) => {
             let disk = client.get_disk(GetDiskRequest { id }).await?.into_inner();
             match format {
-                Format::Json => print_json(&ctl::disk_json(&disk)),
-                Format::Table => print!("{}", ctl::disk_detail(&disk)),
+                Format::Json => print_json(&output::disk_json(&disk)),
+                Format::Table => print!("{}", output::disk_detail(&disk)),
             }
         }
         Cmd::Disk(DiskCmd::Resize { id, size }) => {
@@ -469,11 +470,11 @@ async fn run(args: Args) -> Result<(), Failure> {
                 .await?
                 .into_inner();
             match format {
-                Format::Json => print_json(&ctl::resize_json(&id, &done)),
+                Format::Json => print_json(&output::resize_json(&id, &done)),
                 Format::Table => println!(
                     "{id}: capacity {} bytes ({}); guest notified: {}",
                     done.capacity_bytes,
-                    ctl::format_bytes(done.capacity_bytes),
+                    output::format_bytes(done.capacity_bytes),
                     if done.guest_notified { "yes" } else { "no" }
                 ),
             }
@@ -487,7 +488,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 .await?
                 .into_inner();
             match format {
-                Format::Json => print_json(&ctl::drain_json(&id, &done)),
+                Format::Json => print_json(&output::drain_json(&id, &done)),
                 Format::Table => println!(
                     "{id}: drained; waited for {} requests in flight{}",
                     done.waited_requests,
@@ -551,7 +552,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                         .await?
                         .into_inner()
                         .disks;
-                    ctl::group_limits(&disks, group)
+                    output::group_limits(&disks, group)
                 }
                 None => None,
             };
@@ -572,8 +573,8 @@ async fn run(args: Args) -> Result<(), Failure> {
             if !watch {
                 let disks = client.get_stats(req).await?.into_inner().disks;
                 match format {
-                    Format::Json => print_json(&ctl::stats_json(&disks)),
-                    Format::Table => print!("{}", ctl::stats_table(&disks, None)),
+                    Format::Json => print_json(&output::stats_json(&disks)),
+                    Format::Table => print!("{}", output::stats_table(&disks, None)),
                 }
                 return Ok(());
             }
@@ -584,11 +585,11 @@ async fn run(args: Args) -> Result<(), Failure> {
                 let now = Instant::now();
                 let ok = match format {
                     Format::Json => print_json_line(&json!({
-                        "unix_time_ms": blkplane_control::proc::unix_time_ms(),
-                        "disks": ctl::stats_json(&disks),
+                        "unix_time_ms": blkplane_api::time::unix_time_ms(),
+                        "disks": output::stats_json(&disks),
                     })),
                     Format::Table => {
-                        let table = ctl::stats_table(
+                        let table = output::stats_table(
                             &disks,
                             prev.as_ref()
                                 .map(|(p, t)| (p.as_slice(), now.duration_since(*t))),
@@ -621,10 +622,10 @@ async fn run(args: Args) -> Result<(), Failure> {
                 .into_inner();
             while let Some(event) = stream.message().await? {
                 let ok = match format {
-                    Format::Json => print_json_line(&ctl::event_json(&event)),
+                    Format::Json => print_json_line(&output::event_json(&event)),
                     Format::Table => {
                         let mut out = std::io::stdout();
-                        writeln!(out, "{}", ctl::event_line(&event))
+                        writeln!(out, "{}", output::event_line(&event))
                             .and_then(|_| out.flush())
                             .is_ok()
                     }

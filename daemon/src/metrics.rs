@@ -39,12 +39,12 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use crate::admin;
-use crate::daemon::{state_name, Daemon};
-use crate::migration::{self, reason_name};
+use crate::daemon::Daemon;
+use crate::migration;
 use crate::pb::{DiskState, MigrationBlockerReason as Reason};
-use crate::proc;
+use crate::runtime::serving;
 use crate::server::ApiHealth;
-use crate::supervisor::serving;
+use blkplane_api::names::{reason_name, state_name};
 
 /// The `Content-Type` of `/metrics`: Prometheus' text exposition format 0.0.4 (UTF-8).
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
@@ -136,7 +136,7 @@ const REASONS: [Reason; 8] = [
 /// Reads the daemon's view of every disk and, all at once, each running frontend's
 /// statistics (each bounded by [`STATS_TIMEOUT`]).
 pub async fn collect(daemon: &Daemon) -> Snapshot {
-    let now = proc::unix_time_ms();
+    let now = blkplane_api::time::unix_time_ms();
     let mut disks = Vec::new();
     let mut asks = tokio::task::JoinSet::new();
     for (index, disk) in daemon.disks().into_iter().enumerate() {

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use blkplane_control::pb::control_client::ControlClient;
-use blkplane_control::pb::AddDiskRequest;
+use blkplane_daemon::pb::control_client::ControlClient;
+use blkplane_daemon::pb::AddDiskRequest;
 use tonic::transport::{Channel, Endpoint};
 
 /// Bound of every wait.
@@ -34,7 +34,7 @@ impl Drop for KillFrontends {
 
 fn kill_frontends(disks_dir: &Path) {
     let prefix = format!("--admin-socket={}/", disks_dir.display());
-    for pid in blkplane_control::proc::find_processes_with_arg_prefix(&prefix) {
+    for pid in blkplane_daemon::proc::find_processes_with_arg_prefix(&prefix) {
         // SAFETY: plain syscall on a process whose command line names this test's directory.
         unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
     }
@@ -448,7 +448,7 @@ fn the_parser_is_strict() {
 // ---------------------------------------------------------------------------------------------
 
 fn ctl(socket: &Path, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_blkplanectl"))
+    let out = Command::new(&blkplane_tests::binaries().blkplanectl)
         .arg("--socket")
         .arg(socket)
         .args(args)

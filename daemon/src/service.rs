@@ -203,7 +203,7 @@ impl Control for ControlService {
         info!(
             "SetThrottle {:?} limits {:?} group {:?}",
             req.id,
-            crate::throttle::set_limits(&limits),
+            blkplane_api::limits::set_limits(&limits),
             req.group
         );
         let config = self

@@ -19,7 +19,7 @@ use prost::Message as _;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?)
         .parent()
-        .ok_or("control/ has no parent")?
+        .ok_or("api/ has no parent")?
         .join("proto");
     let control = root.join("blkplane/v1/control.proto");
     let frontend = root.join("blkplane/v1/frontend.proto");

@@ -27,11 +27,14 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{self, AdminError};
 use crate::events::EventBus;
-use crate::migration::{self, reason_name};
+use crate::migration;
+use crate::paths::{pid_tmp, DiskPaths};
 use crate::pb::{self, DiskState, EventKind, MigrationBlockerReason};
 use crate::proc;
+use crate::runtime::{serving, Runtime};
 use crate::state::{DiskLifecycle, DiskSpec, RunAsSpec};
 use crate::throttle;
+use blkplane_api::names::reason_name;
 
 /// When to give up on a crashing frontend, and how long to wait between restarts.
 #[derive(Debug, Clone)]
@@ -97,69 +100,6 @@ impl Settings {
     /// blkplaned's own.
     pub fn user_of<'a>(&'a self, spec: &'a DiskSpec) -> Option<&'a RunAsSpec> {
         spec.run_as.as_ref().or(self.disk_user.as_ref())
-    }
-}
-
-/// The files of one disk in the runtime directory.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskPaths {
-    /// The vhost-user socket (from the disk's configuration).
-    pub vhost_socket: PathBuf,
-    /// The frontend's admin socket.
-    pub admin_socket: PathBuf,
-    /// The frontend's pid, for adoption after a blkplaned restart.
-    pub pid_file: PathBuf,
-    /// The frontend's stderr.
-    pub log_file: PathBuf,
-}
-
-/// Suffix of a disk's admin socket in `RUNTIME_DIR/disks` (after the disk id).
-pub const ADMIN_SUFFIX: &str = ".admin";
-/// Suffix of a disk's pid file.
-pub const PID_SUFFIX: &str = ".pid";
-/// Suffix of a pid file being written.
-pub const PID_TMP_SUFFIX: &str = ".pidtmp";
-/// Suffix of a disk's log.
-pub const LOG_SUFFIX: &str = ".log";
-/// Suffix of a disk's default vhost-user socket.
-pub const SOCKET_SUFFIX: &str = ".sock";
-/// Every suffix of a per-disk file. None of them ends with another, so two different ids never
-/// give the same file name, and a file name tells which disk it belongs to.
-pub const SUFFIXES: [&str; 5] = [
-    ADMIN_SUFFIX,
-    PID_SUFFIX,
-    PID_TMP_SUFFIX,
-    LOG_SUFFIX,
-    SOCKET_SUFFIX,
-];
-
-/// The disk id and suffix of a per-disk file name in `RUNTIME_DIR/disks`.
-pub fn split_runtime_name(name: &str) -> Option<(&str, &'static str)> {
-    SUFFIXES
-        .iter()
-        .find_map(|suffix| name.strip_suffix(suffix).map(|id| (id, *suffix)))
-        .filter(|(id, _)| !id.is_empty())
-}
-
-impl DiskPaths {
-    /// The paths of `spec`'s disk under `disks_dir`.
-    pub fn new(disks_dir: &Path, spec: &DiskSpec) -> DiskPaths {
-        Self::for_id(disks_dir, &spec.id, spec.vhost_socket.clone())
-    }
-
-    /// The paths of disk `id` under `disks_dir`, with `vhost_socket`.
-    pub fn for_id(disks_dir: &Path, id: &str, vhost_socket: PathBuf) -> DiskPaths {
-        DiskPaths {
-            vhost_socket,
-            admin_socket: disks_dir.join(format!("{id}{ADMIN_SUFFIX}")),
-            pid_file: disks_dir.join(format!("{id}{PID_SUFFIX}")),
-            log_file: disks_dir.join(format!("{id}{LOG_SUFFIX}")),
-        }
-    }
-
-    /// The files blkplaned itself names after the disk id (not the vhost-user socket).
-    pub fn own_files(&self) -> [&Path; 3] {
-        [&self.admin_socket, &self.pid_file, &self.log_file]
     }
 }
 
@@ -421,13 +361,6 @@ pub fn remove_files(paths: &DiskPaths) {
     remove_file(&paths.log_file);
 }
 
-/// The temp file a pid file is written to.
-fn pid_tmp(pid_file: &Path) -> PathBuf {
-    let mut name = pid_file.as_os_str().to_owned();
-    name.push(PID_TMP_SUFFIX.strip_prefix(PID_SUFFIX).unwrap_or(".tmp"));
-    PathBuf::from(name)
-}
-
 /// Writes the pid file atomically (temp file and rename), so that a reader never sees half.
 fn write_pid_file(path: &Path, pid: u32) -> std::io::Result<()> {
     let tmp = pid_tmp(path);
@@ -481,7 +414,7 @@ pub async fn start(
             .map(|a| a.to_string_lossy())
             .collect::<Vec<_>>()
             .join(" "),
-        proc::unix_time_ms()
+        blkplane_api::time::unix_time_ms()
     );
     let stderr = log.try_clone().map_err(|source| StartError::Log {
         path: paths.log_file.clone(),
@@ -792,38 +725,6 @@ async fn wait_iothreads_gone(pids: &[u32]) {
     }
 }
 
-/// What a disk looks like right now (shared between the supervisor and the API).
-#[derive(Debug, Clone)]
-pub struct Runtime {
-    /// Where the disk is in its life.
-    pub state: DiskState,
-    /// Why it is failed or restarting, or a status-read problem.
-    pub reason: String,
-    /// The frontend's pid, 0 when none runs.
-    pub pid: u32,
-    /// Frontend starts by this blkplaned after the first one.
-    pub restarts: u32,
-    /// The last status the frontend reported.
-    pub status: Option<FrontendStatus>,
-    /// What the operator set: drained, operator migration blockers. Persisted in the state;
-    /// the frontend is made to follow `drained`.
-    pub lifecycle: DiskLifecycle,
-    /// When blkplaned last restarted the frontend (not its first start), in ms since the
-    /// epoch; 0 if it never did.
-    pub restarted_unix_ms: u64,
-    /// The disk this one is the incoming live-migration destination of, until it takes over
-    /// (persisted with the configuration; see [`DiskHandle::config`]).
-    pub incoming_for: Option<String>,
-}
-
-/// Whether a frontend in `state` serves (the admin channel is expected to answer).
-pub fn serving(state: DiskState) -> bool {
-    matches!(
-        state,
-        DiskState::Ready | DiskState::Connected | DiskState::Drained
-    )
-}
-
 /// A migration blocker as last published: its message and since when it holds.
 #[derive(Debug, Clone)]
 struct Published {
@@ -1013,7 +914,7 @@ impl DiskHandle {
     /// the last call (or an operator blocker whose message changed) become events.
     pub fn refresh_migration(&self) -> Vec<pb::MigrationBlocker> {
         let rt = self.runtime();
-        let now = proc::unix_time_ms();
+        let now = blkplane_api::time::unix_time_ms();
         let current = migration::blockers(&rt, now);
         let mut events = Vec::new();
         let mut out = Vec::with_capacity(current.len());
@@ -1079,7 +980,7 @@ impl DiskHandle {
         if rt.pid == 0 || !serving(rt.state) {
             return;
         }
-        let lines: Vec<String> = migration::blockers(&rt, proc::unix_time_ms())
+        let lines: Vec<String> = migration::blockers(&rt, blkplane_api::time::unix_time_ms())
             .iter()
             .map(migration::Blocker::line)
             .collect();
@@ -1245,7 +1146,7 @@ async fn supervise(
                             rt.state = state_of(Some(&status));
                             rt.reason.clear();
                             rt.status = Some(status);
-                            rt.restarted_unix_ms = proc::unix_time_ms();
+                            rt.restarted_unix_ms = blkplane_api::time::unix_time_ms();
                         });
                         events.emit(
                             EventKind::Restarted,
@@ -1570,28 +1471,6 @@ mod tests {
             args.iter().any(|a| a == "--run-as=107:108:36,995"),
             "{args:?}"
         );
-    }
-
-    #[test]
-    fn runtime_names_never_collide() {
-        // No suffix ends with another, so (id, suffix) ↔ file name is one-to-one.
-        for a in SUFFIXES {
-            for b in SUFFIXES {
-                assert!(a == b || !a.ends_with(b), "{a} ends with {b}");
-            }
-        }
-        assert_eq!(split_runtime_name("x.admin"), Some(("x", ADMIN_SUFFIX)));
-        assert_eq!(
-            split_runtime_name("x.admin.sock"),
-            Some(("x.admin", SOCKET_SUFFIX))
-        );
-        assert_eq!(
-            split_runtime_name("a.b.pidtmp"),
-            Some(("a.b", PID_TMP_SUFFIX))
-        );
-        assert_eq!(split_runtime_name(".sock"), None);
-        assert_eq!(split_runtime_name("x.img"), None);
-        assert_eq!(pid_tmp(Path::new("/r/x.pid")), PathBuf::from("/r/x.pidtmp"));
     }
 
     #[test]

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use blkplane_control::pb::control_client::ControlClient;
-use blkplane_control::pb::ListDisksRequest;
+use blkplane_daemon::pb::control_client::ControlClient;
+use blkplane_daemon::pb::ListDisksRequest;
 use tokio_stream::StreamExt;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -351,11 +351,11 @@ async fn tcp_needs_tls_and_a_client_certificate() {
 // ---------------------------------------------------------------------------------------------
 // Incoming disks (live migration on one node).
 
-use blkplane_control::pb::{
+use blkplane_daemon::pb::{
     AddDiskRequest, CacheMode, Disk, EventKind, GetDiskRequest, MigrationBlockerReason,
     RemoveDiskRequest, ResizeDiskRequest, WatchEventsRequest,
 };
-use blkplane_control::state::StateStore;
+use blkplane_daemon::state::StateStore;
 use tonic::{Code, Status};
 
 /// Bound of every wait on blkplaned.
@@ -371,12 +371,12 @@ impl KillFrontends {
     /// The frontends serving disks of `disks_dir` (by their admin socket; not their
     /// iothread spawners, which share their command line), sorted.
     fn pids(&self) -> Vec<u32> {
-        blkplane_control::proc::find_processes_with_arg_prefix(&format!(
+        blkplane_daemon::proc::find_processes_with_arg_prefix(&format!(
             "--admin-socket={}/",
             self.0.display()
         ))
         .into_iter()
-        .filter(|&pid| blkplane_control::proc::alive(pid))
+        .filter(|&pid| blkplane_daemon::proc::alive(pid))
         .filter(|&pid| {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .is_ok_and(|comm| comm.trim_end() != "blkplane-spawn")
@@ -528,7 +528,7 @@ fn path_str(p: &Path) -> String {
 }
 
 /// The INCOMING blocker of a disk, if it has one.
-fn incoming_blocker(d: &Disk) -> Option<&blkplane_control::pb::MigrationBlocker> {
+fn incoming_blocker(d: &Disk) -> Option<&blkplane_daemon::pb::MigrationBlocker> {
     d.migration_blockers
         .iter()
         .find(|b| b.reason == MigrationBlockerReason::Incoming as i32)
@@ -935,7 +935,7 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
 // ---------------------------------------------------------------------------------------------
 // I/O limits and throttle groups.
 
-use blkplane_control::pb::{
+use blkplane_daemon::pb::{
     GetStatsRequest, GetThrottleRequest, SetThrottleRequest, ThrottleConfig,
 };
 use blkplane_proto::v1::ThrottleLimits;
@@ -1392,8 +1392,8 @@ impl Node {
         for id in self.ids().await {
             self.wait_disk(&id, "serving", |d| {
                 d.frontend_pid != 0
-                    && d.state != blkplane_control::pb::DiskState::Starting as i32
-                    && d.state != blkplane_control::pb::DiskState::Restarting as i32
+                    && d.state != blkplane_daemon::pb::DiskState::Starting as i32
+                    && d.state != blkplane_daemon::pb::DiskState::Restarting as i32
             })
             .await;
         }
@@ -1577,7 +1577,7 @@ async fn frontend_takes_the_limits() {
     node.wait_disk("a", "restarted", |d| {
         d.frontend_pid != 0
             && d.frontend_pid != pid
-            && d.state == blkplane_control::pb::DiskState::Ready as i32
+            && d.state == blkplane_daemon::pb::DiskState::Ready as i32
     })
     .await;
     let t = node.throttle("a").await;

@@ -9,7 +9,8 @@ use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::{Stream, StreamExt};
 
 use crate::pb::{Event, EventKind};
-use crate::proc::unix_time_ms;
+use blkplane_api::names::kind_name;
+use blkplane_api::time::unix_time_ms;
 
 /// Events buffered per watcher; a watcher that falls further behind is told so and its
 /// stream ends (it can watch again and re-read the disks).
@@ -90,29 +91,6 @@ impl EventBus {
             failed |= item.is_err();
             keep
         }))
-    }
-}
-
-/// The lower-case name of an event kind, as blkplanectl prints it.
-pub fn kind_name(kind: EventKind) -> &'static str {
-    match kind {
-        EventKind::Unspecified => "unspecified",
-        EventKind::Added => "added",
-        EventKind::Removed => "removed",
-        EventKind::Connected => "connected",
-        EventKind::Disconnected => "disconnected",
-        EventKind::Exited => "exited",
-        EventKind::Restarted => "restarted",
-        EventKind::Failed => "failed",
-        EventKind::Adopted => "adopted",
-        EventKind::Resized => "resized",
-        EventKind::Drained => "drained",
-        EventKind::Resumed => "resumed",
-        EventKind::BlockerAdded => "blocker_added",
-        EventKind::BlockerRemoved => "blocker_removed",
-        EventKind::Migrated => "migrated",
-        EventKind::BothServing => "both_serving",
-        EventKind::IothreadRestarted => "iothread_restarted",
     }
 }
 

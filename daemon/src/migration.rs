@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use blkplane_proto::v1::FrontendStatus;
 
-use crate::ctl::format_time;
 use crate::pb::{DiskState, MigrationBlockerReason as Reason};
+use crate::runtime::Runtime;
 use crate::state::OperatorReason;
-use crate::supervisor::Runtime;
+use blkplane_api::names::reason_name;
+use blkplane_api::time::format_time;
 
 /// How long migration stays blocked after a frontend or an iothread was restarted: a VMM
 /// reconnecting, or requests being resubmitted, should settle before a migration starts.
@@ -55,51 +56,6 @@ impl Blocker {
     pub fn line(&self) -> String {
         format!("{}: {}", reason_name(self.reason), self.message)
     }
-}
-
-/// The lower-case name of a reason, as blkplanectl prints it and the frontend logs it.
-pub fn reason_name(reason: Reason) -> &'static str {
-    match reason {
-        Reason::Unspecified => "unspecified",
-        Reason::Draining => "draining",
-        Reason::FrontendRestarting => "frontend_restarting",
-        Reason::IothreadRestarted => "iothread_restarted",
-        Reason::Incoming => "incoming",
-        Reason::UnsupportedFeature => "unsupported_feature",
-        Reason::OperatorBackup => "operator_backup",
-        Reason::OperatorMaintenance => "operator_maintenance",
-        Reason::OperatorOther => "operator_other",
-    }
-}
-
-/// A reason given on blkplanectl's command line: its name (`operator_backup`), the operator
-/// names without the prefix (`backup`, `maintenance`, `other`), the .proto name
-/// (`MIGRATION_BLOCKER_REASON_OPERATOR_BACKUP`), or a number, which is passed on as it is
-/// (blkplaned says whether it is valid).
-pub fn parse_reason(text: &str) -> Option<i32> {
-    if let Ok(n) = text.parse::<i32>() {
-        return Some(n);
-    }
-    let lower = text.to_ascii_lowercase();
-    let name = lower
-        .strip_prefix("migration_blocker_reason_")
-        .unwrap_or(&lower);
-    let all = [
-        Reason::Draining,
-        Reason::FrontendRestarting,
-        Reason::IothreadRestarted,
-        Reason::Incoming,
-        Reason::UnsupportedFeature,
-        Reason::OperatorBackup,
-        Reason::OperatorMaintenance,
-        Reason::OperatorOther,
-    ];
-    all.into_iter()
-        .find(|r| {
-            let full = reason_name(*r);
-            full == name || full.strip_prefix("operator_") == Some(name)
-        })
-        .map(|r| r as i32)
 }
 
 /// The API reason of an operator reason.
@@ -418,18 +374,6 @@ mod tests {
 
     #[test]
     fn reason_names() {
-        assert_eq!(parse_reason("backup"), Some(Reason::OperatorBackup as i32));
-        assert_eq!(
-            parse_reason("operator_maintenance"),
-            Some(Reason::OperatorMaintenance as i32)
-        );
-        assert_eq!(
-            parse_reason("MIGRATION_BLOCKER_REASON_OPERATOR_OTHER"),
-            Some(Reason::OperatorOther as i32)
-        );
-        assert_eq!(parse_reason("draining"), Some(Reason::Draining as i32));
-        assert_eq!(parse_reason("99"), Some(99));
-        assert_eq!(parse_reason("nonsense"), None);
         for r in [
             OperatorReason::Backup,
             OperatorReason::Maintenance,

@@ -1,5 +1,6 @@
-//! The control plane of blkplane: `blkplaned`, which owns a node's disks, and `blkplanectl`,
-//! its command-line client.
+//! `blkplaned`, the control plane of blkplane: the daemon that owns a node's disks. Its API is
+//! the `blkplane-api` crate; its command-line client, `blkplanectl`, is `blkplane-cli`, which
+//! does not link this crate.
 //!
 //! `blkplaned` serves the gRPC API of `proto/blkplane/v1/control.proto`. For each disk it runs
 //! one `blkplane-frontend` (which runs the disk's iothreads), watches it through a pidfd,
@@ -21,18 +22,20 @@
 //! | [`throttle`] | I/O limits and throttle groups: member indices, group files, what a frontend is sent |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
 //! | [`metrics`] | the `--metrics-listen` HTTP endpoint: Prometheus metrics, `/healthz`, `/readyz` |
+//! | [`runtime`] | what a disk looks like right now (state, pid, restarts, last status) |
+//! | [`paths`] | a disk's files in the runtime directory |
 //! | [`proc`] | pidfds and /proc |
-//! | [`ctl`] | blkplanectl's output formats and argument parsing helpers |
 
 #![warn(missing_docs)]
 
 pub mod admin;
-pub mod ctl;
 pub mod daemon;
 pub mod events;
 pub mod metrics;
 pub mod migration;
+pub mod paths;
 pub mod proc;
+pub mod runtime;
 pub mod server;
 pub mod service;
 pub mod state;
@@ -40,14 +43,5 @@ pub mod supervisor;
 pub mod throttle;
 pub mod validate;
 
-/// gRPC service and messages of `blkplane/v1/control.proto` (package `blkplane.v1`). The
-/// messages it shares with `frontend.proto` (QueueStats, QueueStatus, LatencyHistogram,
-/// ResizeDone) are the types of [`blkplane_proto::v1`].
-#[allow(missing_docs, clippy::all)]
-pub mod pb {
-    include!(concat!(env!("OUT_DIR"), "/blkplane.v1.rs"));
-
-    /// The encoded `FileDescriptorSet` of control.proto and its imports, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/blkplane_descriptor.bin"));
-}
+/// The gRPC service and messages blkplaned serves (the `blkplane-api` crate's).
+pub use blkplane_api::pb;

@@ -24,109 +24,6 @@ use crate::state::ThrottleSetting;
 /// Suffix of a group's state file in the throttle directory (after the group's name).
 pub const GROUP_FILE_SUFFIX: &str = ".state";
 
-/// The names of [`ThrottleLimits`]' fields (QEMU's, with underscores), and field access by
-/// name: one list for the state file, the API's error messages and blkplanectl.
-macro_rules! limit_fields {
-    ($($field:ident),* $(,)?) => {
-        /// Every field of [`ThrottleLimits`], in the order of the .proto, by QEMU's names.
-        pub const LIMIT_FIELDS: [&str; 19] = [$(stringify!($field)),*];
-
-        /// The API's name of each field of [`LIMIT_FIELDS`] (`limits.NAME`), for messages
-        /// that name the field of a request.
-        const API_FIELDS: [&str; 19] = [$(concat!("limits.", stringify!($field))),*];
-
-        /// The value of the field called `name`; `None` for an unknown name.
-        pub fn limit(limits: &ThrottleLimits, name: &str) -> Option<u64> {
-            match name {
-                $(stringify!($field) => Some(limits.$field),)*
-                _ => None,
-            }
-        }
-
-        /// The field called `name`; `None` for an unknown name.
-        pub fn limit_mut<'a>(limits: &'a mut ThrottleLimits, name: &str) -> Option<&'a mut u64> {
-            match name {
-                $(stringify!($field) => Some(&mut limits.$field),)*
-                _ => None,
-            }
-        }
-    };
-}
-
-limit_fields!(
-    bps_total,
-    bps_total_max,
-    bps_total_max_length,
-    bps_read,
-    bps_read_max,
-    bps_read_max_length,
-    bps_write,
-    bps_write_max,
-    bps_write_max_length,
-    iops_total,
-    iops_total_max,
-    iops_total_max_length,
-    iops_read,
-    iops_read_max,
-    iops_read_max_length,
-    iops_write,
-    iops_write_max,
-    iops_write_max_length,
-    iops_size,
-);
-
-/// The request field of the limit called `name` (`limits.iops_total_max`); `limits` for a name
-/// that is not one (which the throttle crate never reports).
-pub fn api_field(name: &str) -> &'static str {
-    LIMIT_FIELDS
-        .iter()
-        .position(|f| *f == name)
-        .and_then(|i| API_FIELDS.get(i).copied())
-        .unwrap_or("limits")
-}
-
-/// The fields that are not zero, in .proto order, with their values.
-pub fn set_limits(limits: &ThrottleLimits) -> Vec<(&'static str, u64)> {
-    LIMIT_FIELDS
-        .iter()
-        .filter_map(|name| limit(limits, name).filter(|v| *v != 0).map(|v| (*name, v)))
-        .collect()
-}
-
-/// `serde(with)` for [`ThrottleLimits`] in `state.json`: an object of the fields that are not
-/// zero, by QEMU's names (`{"iops_total": 500}`); a missing field is zero. An unknown name is
-/// an error: limits silently dropped would unthrottle a disk.
-pub mod limits_serde {
-    use std::collections::BTreeMap;
-
-    use blkplane_proto::v1::ThrottleLimits;
-    use serde::de::Error as _;
-    use serde::ser::SerializeMap;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    /// Writes the fields that are not zero.
-    pub fn serialize<S: Serializer>(limits: &ThrottleLimits, s: S) -> Result<S::Ok, S::Error> {
-        let fields = super::set_limits(limits);
-        let mut map = s.serialize_map(Some(fields.len()))?;
-        for (name, value) in fields {
-            map.serialize_entry(name, &value)?;
-        }
-        map.end()
-    }
-
-    /// Reads an object of fields.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ThrottleLimits, D::Error> {
-        let map = BTreeMap::<String, u64>::deserialize(d)?;
-        let mut limits = ThrottleLimits::default();
-        for (name, value) in map {
-            let field = super::limit_mut(&mut limits, &name)
-                .ok_or_else(|| D::Error::custom(format!("unknown throttle limit {name:?}")))?;
-            *field = value;
-        }
-        Ok(limits)
-    }
-}
-
 /// The state file of `group` in the throttle directory `dir`.
 pub fn group_file(dir: &Path, group: &str) -> PathBuf {
     dir.join(format!("{group}{GROUP_FILE_SUFFIX}"))
@@ -398,6 +295,7 @@ pub fn stale_group_files(dir: &Path, wanted: &BTreeSet<String>) -> Vec<PathBuf> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkplane_api::limits::{limit_mut, LIMIT_FIELDS};
     use std::os::unix::fs::PermissionsExt;
 
     fn iops(n: u64) -> ThrottleLimits {
@@ -441,36 +339,6 @@ mod tests {
             (1, 6, 17)
         );
         assert_eq!(t.iops_size, 19);
-        assert_eq!(limit(&l, "iops_read_max"), Some(14));
-        assert_eq!(limit(&l, "nope"), None);
-        assert_eq!(api_field("iops_total_max"), "limits.iops_total_max");
-        assert_eq!(api_field("iops_size"), "limits.iops_size");
-        assert_eq!(api_field("x"), "limits");
-        assert_eq!(set_limits(&iops(5)), [("iops_total", 5)]);
-    }
-
-    #[test]
-    fn limits_in_json() {
-        #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
-        struct W {
-            #[serde(with = "limits_serde")]
-            l: ThrottleLimits,
-        }
-        let w = W {
-            l: ThrottleLimits {
-                bps_read: 7,
-                iops_size: 4096,
-                ..Default::default()
-            },
-        };
-        let text = serde_json::to_string(&w).unwrap();
-        assert_eq!(text, r#"{"l":{"bps_read":7,"iops_size":4096}}"#);
-        assert_eq!(serde_json::from_str::<W>(&text).unwrap(), w);
-        assert_eq!(
-            serde_json::from_str::<W>(r#"{"l":{}}"#).unwrap().l,
-            ThrottleLimits::default()
-        );
-        assert!(serde_json::from_str::<W>(r#"{"l":{"iops_totl":1}}"#).is_err());
     }
 
     #[test]

@@ -12,11 +12,11 @@ use std::path::{Component, Path, PathBuf};
 use blkplane_proto::v1::ThrottleLimits;
 use thiserror::Error;
 
-use crate::migration::{self, reason_name};
+use crate::migration;
 use crate::pb::{AddDiskRequest, CacheMode, MigrationBlockerReason, RunAs};
 use crate::proc;
 use crate::state::{Cache, DiskSpec, OperatorReason, RunAsSpec};
-use crate::throttle;
+use blkplane_api::names::reason_name;
 
 /// Longest disk id.
 pub const MAX_ID_LEN: usize = 64;
@@ -222,7 +222,7 @@ pub fn check_limits(limits: &ThrottleLimits) -> Result<(), ValidationError> {
                 .strip_prefix(&format!("{}: ", e.field()))
                 .unwrap_or(&text)
                 .to_string();
-            invalid(throttle::api_field(e.field()), reason)
+            invalid(blkplane_api::limits::api_field(e.field()), reason)
         })
 }
 
@@ -479,16 +479,9 @@ pub fn check_image(
     image_identity(path).ok_or_else(|| invalid("image", format!("{image} changed while checked")))
 }
 
-/// Parses a CPU list such as `0-1,3` into the CPU numbers (sorted, without duplicates).
-pub fn parse_cpu_list(list: &str) -> Result<Vec<u32>, String> {
-    // Every CPU is below CPU_SETSIZE (1024), so it fits u32.
-    blkplane_proto::cpus::parse_cpu_list(list)
-        .map(|cpus| cpus.into_iter().map(|c| c as u32).collect())
-}
-
 /// Checks a CPU list: well-formed, and every CPU present on this machine.
 pub fn check_cpu_list(list: &str) -> Result<(), ValidationError> {
-    let cpus = parse_cpu_list(list).map_err(|e| invalid("iothread_cpus", e))?;
+    let cpus = proc::parse_cpu_list(list).map_err(|e| invalid("iothread_cpus", e))?;
     if let Some(possible) = proc::possible_cpus() {
         if let Some(cpu) = cpus.iter().find(|c| !possible.contains(c)) {
             return Err(invalid(
@@ -619,7 +612,7 @@ pub fn check_add(
     check_id(&req.id)?;
     let admin = ctx
         .disks_dir
-        .join(format!("{}{}", req.id, crate::supervisor::ADMIN_SUFFIX));
+        .join(format!("{}{}", req.id, crate::paths::ADMIN_SUFFIX));
     if admin.as_os_str().as_bytes().len() > MAX_SOCKET_PATH {
         return Err(invalid(
             "id",
@@ -1154,13 +1147,13 @@ mod tests {
 
     #[test]
     fn cpu_lists() {
-        assert_eq!(parse_cpu_list("0-1,3"), Ok(vec![0, 1, 3]));
-        assert_eq!(parse_cpu_list("3, 1-2 ,1"), Ok(vec![1, 2, 3]));
-        assert!(parse_cpu_list("").is_err());
-        assert!(parse_cpu_list("1-").is_err());
-        assert!(parse_cpu_list("-1").is_err());
-        assert!(parse_cpu_list("2-1").is_err());
-        assert!(parse_cpu_list("1,,2").is_err());
+        assert_eq!(proc::parse_cpu_list("0-1,3"), Ok(vec![0, 1, 3]));
+        assert_eq!(proc::parse_cpu_list("3, 1-2 ,1"), Ok(vec![1, 2, 3]));
+        assert!(proc::parse_cpu_list("").is_err());
+        assert!(proc::parse_cpu_list("1-").is_err());
+        assert!(proc::parse_cpu_list("-1").is_err());
+        assert!(proc::parse_cpu_list("2-1").is_err());
+        assert!(proc::parse_cpu_list("1,,2").is_err());
     }
 
     #[test]

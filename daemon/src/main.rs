@@ -12,13 +12,13 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use blkplane_control::daemon::{Config, Daemon};
-use blkplane_control::metrics;
-use blkplane_control::pb::{AddDiskRequest, Disk};
-use blkplane_control::server::{self, ApiHealth, Listen};
-use blkplane_control::state::{RunAsSpec, StateStore};
-use blkplane_control::supervisor::RestartPolicy;
-use blkplane_control::validate;
+use blkplane_daemon::daemon::{Config, Daemon};
+use blkplane_daemon::metrics;
+use blkplane_daemon::pb::{AddDiskRequest, Disk};
+use blkplane_daemon::server::{self, ApiHealth, Listen};
+use blkplane_daemon::state::{RunAsSpec, StateStore};
+use blkplane_daemon::supervisor::RestartPolicy;
+use blkplane_daemon::validate;
 use clap::Parser;
 use log::{error, info, warn};
 
@@ -317,9 +317,9 @@ fn print_banner(api: &str, listen: &Listen, disks: &[Disk]) {
              -device vhost-user-blk-pci,chardev=blk-{id},num-queues={q} ...\n\
              Show it with:\n  {ctl} disk show {id}\n",
             c.id,
-            blkplane_control::daemon::state_name(
-                blkplane_control::pb::DiskState::try_from(d.state)
-                    .unwrap_or(blkplane_control::pb::DiskState::Unspecified)
+            blkplane_api::names::state_name(
+                blkplane_daemon::pb::DiskState::try_from(d.state)
+                    .unwrap_or(blkplane_daemon::pb::DiskState::Unspecified)
             ),
             d.capacity_bytes,
             c.vhost_socket,

@@ -223,7 +223,7 @@ pub struct OperatorBlocker {
 pub struct ThrottleSetting {
     /// QEMU's limits; for a member of a group, the group's (every member carries the same).
     /// All zero: no limits.
-    #[serde(default, with = "crate::throttle::limits_serde")]
+    #[serde(default, with = "limits_serde")]
     pub limits: ThrottleLimits,
     /// The throttle group; empty when the disk is throttled alone (or not at all).
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -401,9 +401,67 @@ impl DirLock {
     }
 }
 
+/// `serde(with)` for [`ThrottleLimits`] in `state.json`: an object of the fields that are not
+/// zero, by QEMU's names (`{"iops_total": 500}`); a missing field is zero. An unknown name is
+/// an error: limits silently dropped would unthrottle a disk.
+pub mod limits_serde {
+    use std::collections::BTreeMap;
+
+    use blkplane_proto::v1::ThrottleLimits;
+    use serde::de::Error as _;
+    use serde::ser::SerializeMap;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes the fields that are not zero.
+    pub fn serialize<S: Serializer>(limits: &ThrottleLimits, s: S) -> Result<S::Ok, S::Error> {
+        let fields = blkplane_api::limits::set_limits(limits);
+        let mut map = s.serialize_map(Some(fields.len()))?;
+        for (name, value) in fields {
+            map.serialize_entry(name, &value)?;
+        }
+        map.end()
+    }
+
+    /// Reads an object of fields.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ThrottleLimits, D::Error> {
+        let map = BTreeMap::<String, u64>::deserialize(d)?;
+        let mut limits = ThrottleLimits::default();
+        for (name, value) in map {
+            let field = blkplane_api::limits::limit_mut(&mut limits, &name)
+                .ok_or_else(|| D::Error::custom(format!("unknown throttle limit {name:?}")))?;
+            *field = value;
+        }
+        Ok(limits)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_in_json() {
+        #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+        struct W {
+            #[serde(with = "limits_serde")]
+            l: ThrottleLimits,
+        }
+        let w = W {
+            l: ThrottleLimits {
+                bps_read: 7,
+                iops_size: 4096,
+                ..Default::default()
+            },
+        };
+        let text = serde_json::to_string(&w).unwrap();
+        assert_eq!(text, r#"{"l":{"bps_read":7,"iops_size":4096}}"#);
+        assert_eq!(serde_json::from_str::<W>(&text).unwrap(), w);
+        assert_eq!(
+            serde_json::from_str::<W>(r#"{"l":{}}"#).unwrap().l,
+            ThrottleLimits::default()
+        );
+        assert!(serde_json::from_str::<W>(r#"{"l":{"iops_totl":1}}"#).is_err());
+    }
 
     fn tmp(tag: &str) -> PathBuf {
         let p = std::env::temp_dir().join(format!("bps-{tag}-{}", std::process::id()));

@@ -10,14 +10,13 @@ use std::time::Duration;
 use blkplane_proto::v1::{LatencyHistogram, QueueStats, QueueStatus, ResizeDone, ThrottleLimits};
 use serde_json::{json, Map, Value};
 
-use crate::daemon::state_name;
-use crate::events::kind_name;
-use crate::migration::reason_name;
-use crate::pb::{
+use blkplane_api::limits::{limit, limit_mut, set_limits, LIMIT_FIELDS};
+use blkplane_api::names::{kind_name, reason_name, state_name};
+use blkplane_api::pb::{
     CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind,
     MigrationBlocker, MigrationBlockerReason, MigrationStatus, SetThrottleRequest, ThrottleConfig,
 };
-use crate::throttle::{set_limits, LIMIT_FIELDS};
+use blkplane_api::time::format_time;
 
 /// The canonical upper-case name of a gRPC status code, as printed in error messages.
 pub fn code_name(code: tonic::Code) -> &'static str {
@@ -86,30 +85,6 @@ pub fn format_bytes(n: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
-}
-
-/// Milliseconds since the Unix epoch as an RFC 3339 UTC time with milliseconds.
-pub fn format_time(unix_ms: u64) -> String {
-    let secs = unix_ms / 1000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        unix_ms % 1000
-    )
 }
 
 /// The lower-case name of a cache mode.
@@ -702,7 +677,7 @@ fn group_text(t: &ThrottleConfig) -> String {
 pub fn limits_json(limits: &ThrottleLimits) -> Value {
     let mut map = Map::new();
     for name in LIMIT_FIELDS {
-        let value = crate::throttle::limit(limits, name).unwrap_or(0);
+        let value = limit(limits, name).unwrap_or(0);
         map.insert(name.to_string(), json!(value));
     }
     Value::Object(map)
@@ -861,7 +836,7 @@ impl ThrottleArgs {
         let mut limits = ThrottleLimits::default();
         // Same order as LIMIT_FIELDS (the .proto's), which the unit test checks by name.
         for (name, value) in LIMIT_FIELDS.iter().zip(given) {
-            if let Some(field) = crate::throttle::limit_mut(&mut limits, name) {
+            if let Some(field) = limit_mut(&mut limits, name) {
                 *field = value.unwrap_or(0);
             }
         }
@@ -956,7 +931,7 @@ pub fn resize_json(id: &str, r: &ResizeDone) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pb::DiskConfig;
+    use blkplane_api::pb::DiskConfig;
 
     #[test]
     fn sizes() {
@@ -980,13 +955,6 @@ mod tests {
         assert_eq!(format_bytes(512), "512 B");
         assert_eq!(format_bytes(1 << 30), "1.0 GiB");
         assert_eq!(format_bytes(3 << 19), "1.5 MiB");
-    }
-
-    #[test]
-    fn times() {
-        assert_eq!(format_time(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(format_time(951_782_400_123), "2000-02-29T00:00:00.123Z");
-        assert_eq!(format_time(1_767_225_599_999), "2025-12-31T23:59:59.999Z");
     }
 
     #[test]
@@ -1133,7 +1101,7 @@ mod tests {
         assert_eq!(r.id, "d");
         // The group's limits from a disk list.
         let disk = |id: &str, t: ThrottleConfig| Disk {
-            config: Some(crate::pb::DiskConfig {
+            config: Some(blkplane_api::pb::DiskConfig {
                 id: id.into(),
                 ..Default::default()
             }),
@@ -1193,7 +1161,7 @@ mod tests {
         assert_eq!(limits_text(&ThrottleLimits::default()), "none");
         // disk show: the limits and the group only when set.
         let mut d = Disk {
-            config: Some(crate::pb::DiskConfig {
+            config: Some(blkplane_api::pb::DiskConfig {
                 id: "d".into(),
                 ..Default::default()
             }),
@@ -1284,7 +1252,7 @@ mod tests {
         assert!(disk_detail(&d).contains("\nrun as:             blkplaned's user\n"));
         let mut own_user = d.clone();
         if let Some(c) = own_user.config.as_mut() {
-            c.run_as = Some(crate::pb::RunAs {
+            c.run_as = Some(blkplane_api::pb::RunAs {
                 uid: 107,
                 gid: 107,
                 groups: vec![36, 995],

@@ -1,0 +1,119 @@
+//! The lower-case names of the API's enums, as blkplanectl prints them, blkplaned uses them in
+//! metrics labels and logs, and the frontend is sent them in blocker lines.
+
+use crate::pb::{DiskState, EventKind, MigrationBlockerReason as Reason};
+
+/// The name of a disk state as blkplanectl prints it.
+pub fn state_name(state: DiskState) -> &'static str {
+    match state {
+        DiskState::Unspecified => "unspecified",
+        DiskState::Starting => "starting",
+        DiskState::Ready => "ready",
+        DiskState::Connected => "connected",
+        DiskState::Restarting => "restarting",
+        DiskState::Failed => "failed",
+        DiskState::Stopping => "stopping",
+        DiskState::Drained => "drained",
+    }
+}
+
+/// The lower-case name of an event kind, as blkplanectl prints it.
+pub fn kind_name(kind: EventKind) -> &'static str {
+    match kind {
+        EventKind::Unspecified => "unspecified",
+        EventKind::Added => "added",
+        EventKind::Removed => "removed",
+        EventKind::Connected => "connected",
+        EventKind::Disconnected => "disconnected",
+        EventKind::Exited => "exited",
+        EventKind::Restarted => "restarted",
+        EventKind::Failed => "failed",
+        EventKind::Adopted => "adopted",
+        EventKind::Resized => "resized",
+        EventKind::Drained => "drained",
+        EventKind::Resumed => "resumed",
+        EventKind::BlockerAdded => "blocker_added",
+        EventKind::BlockerRemoved => "blocker_removed",
+        EventKind::Migrated => "migrated",
+        EventKind::BothServing => "both_serving",
+        EventKind::IothreadRestarted => "iothread_restarted",
+    }
+}
+
+/// The lower-case name of a reason, as blkplanectl prints it and the frontend logs it.
+pub fn reason_name(reason: Reason) -> &'static str {
+    match reason {
+        Reason::Unspecified => "unspecified",
+        Reason::Draining => "draining",
+        Reason::FrontendRestarting => "frontend_restarting",
+        Reason::IothreadRestarted => "iothread_restarted",
+        Reason::Incoming => "incoming",
+        Reason::UnsupportedFeature => "unsupported_feature",
+        Reason::OperatorBackup => "operator_backup",
+        Reason::OperatorMaintenance => "operator_maintenance",
+        Reason::OperatorOther => "operator_other",
+    }
+}
+
+/// A reason given on blkplanectl's command line: its name (`operator_backup`), the operator
+/// names without the prefix (`backup`, `maintenance`, `other`), the .proto name
+/// (`MIGRATION_BLOCKER_REASON_OPERATOR_BACKUP`), or a number, which is passed on as it is
+/// (blkplaned says whether it is valid).
+pub fn parse_reason(text: &str) -> Option<i32> {
+    if let Ok(n) = text.parse::<i32>() {
+        return Some(n);
+    }
+    let lower = text.to_ascii_lowercase();
+    let name = lower
+        .strip_prefix("migration_blocker_reason_")
+        .unwrap_or(&lower);
+    let all = [
+        Reason::Draining,
+        Reason::FrontendRestarting,
+        Reason::IothreadRestarted,
+        Reason::Incoming,
+        Reason::UnsupportedFeature,
+        Reason::OperatorBackup,
+        Reason::OperatorMaintenance,
+        Reason::OperatorOther,
+    ];
+    all.into_iter()
+        .find(|r| {
+            let full = reason_name(*r);
+            full == name || full.strip_prefix("operator_") == Some(name)
+        })
+        .map(|r| r as i32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_parse_by_every_name() {
+        assert_eq!(parse_reason("backup"), Some(Reason::OperatorBackup as i32));
+        assert_eq!(
+            parse_reason("operator_maintenance"),
+            Some(Reason::OperatorMaintenance as i32)
+        );
+        assert_eq!(
+            parse_reason("MIGRATION_BLOCKER_REASON_OPERATOR_OTHER"),
+            Some(Reason::OperatorOther as i32)
+        );
+        assert_eq!(parse_reason("draining"), Some(Reason::Draining as i32));
+        assert_eq!(parse_reason("99"), Some(99));
+        assert_eq!(parse_reason("nonsense"), None);
+    }
+
+    #[test]
+    fn names_round_trip_through_parse_reason() {
+        for r in [Reason::Draining, Reason::Incoming, Reason::OperatorBackup] {
+            assert_eq!(parse_reason(reason_name(r)), Some(r as i32));
+        }
+        assert_eq!(state_name(DiskState::Ready), "ready");
+        assert_eq!(
+            kind_name(EventKind::IothreadRestarted),
+            "iothread_restarted"
+        );
+    }
+}

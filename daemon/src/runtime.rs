@@ -1,0 +1,39 @@
+//! What a disk looks like right now, as the supervisor keeps it and the API, the metrics and
+//! the migration blockers read it.
+
+use blkplane_proto::v1::FrontendStatus;
+
+use crate::pb::DiskState;
+use crate::state::DiskLifecycle;
+
+/// What a disk looks like right now (shared between the supervisor and the API).
+#[derive(Debug, Clone)]
+pub struct Runtime {
+    /// Where the disk is in its life.
+    pub state: DiskState,
+    /// Why it is failed or restarting, or a status-read problem.
+    pub reason: String,
+    /// The frontend's pid, 0 when none runs.
+    pub pid: u32,
+    /// Frontend starts by this blkplaned after the first one.
+    pub restarts: u32,
+    /// The last status the frontend reported.
+    pub status: Option<FrontendStatus>,
+    /// What the operator set: drained, operator migration blockers. Persisted in the state;
+    /// the frontend is made to follow `drained`.
+    pub lifecycle: DiskLifecycle,
+    /// When blkplaned last restarted the frontend (not its first start), in ms since the
+    /// epoch; 0 if it never did.
+    pub restarted_unix_ms: u64,
+    /// The disk this one is the incoming live-migration destination of, until it takes over
+    /// (persisted with the configuration; see `DiskHandle::config` in the supervisor).
+    pub incoming_for: Option<String>,
+}
+
+/// Whether a frontend in `state` serves (the admin channel is expected to answer).
+pub fn serving(state: DiskState) -> bool {
+    matches!(
+        state,
+        DiskState::Ready | DiskState::Connected | DiskState::Drained
+    )
+}
