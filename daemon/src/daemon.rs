@@ -1,37 +1,40 @@
 //! The disk table and the operations on it, below the gRPC layer: adding (validate, start,
 //! persist), removing (check, persist, stop), reading, resizing, statistics, draining and
-//! resuming, migration blockers, I/O limits and throttle groups, the takeover of an incoming
-//! disk from its live-migration source; and the start-up of blkplaned (directories, locks,
-//! orphan sweep, throttle group files, adoption of running frontends).
+//! resuming, and migration blockers. Its child modules hold the rest of the daemon's jobs:
+//! [`startup`] (directories, locks, orphan sweep, adoption), [`takeover`] (the takeover of an
+//! incoming disk from its live-migration source) and [`limits`] (I/O limits and throttle
+//! groups).
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone, ThrottleLimits};
-use blkplane_throttle::MAX_GROUP_MEMBERS;
-use log::{debug, error, info, warn};
+use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone};
+use log::warn;
 use thiserror::Error;
 
 use crate::admin::{self, AdminError};
 use crate::events::EventBus;
+use crate::frontend;
 use crate::migration::{self, from_operator};
-use crate::paths::{self, DiskPaths};
+use crate::paths::DiskPaths;
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
-use crate::proc;
 use crate::runtime::serving;
+use crate::settings::{RestartPolicy, Settings};
 use crate::state::{
     DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, RunAsSpec, State, StateError, StateStore,
-    StoredDisk, ThrottleSetting,
+    StoredDisk,
 };
-use crate::supervisor::{self, DiskHandle, Initial, RestartPolicy, Settings, TakeoverWait};
-use crate::throttle::{self, GroupFile};
+use crate::supervisor::{DiskHandle, Initial};
+use crate::throttle;
 use crate::validate::{self, ValidationError};
 use blkplane_api::names::{reason_name, state_name};
 
+mod limits;
+mod startup;
+mod takeover;
 /// How blkplaned is set up.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -133,7 +136,7 @@ pub enum DaemonError {
         /// The disk.
         id: String,
         /// What failed.
-        source: supervisor::StartError,
+        source: frontend::StartError,
     },
     /// The state could not be read or written.
     #[error(transparent)]
@@ -152,24 +155,6 @@ pub enum DaemonError {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Creates `dir` (and parents) with `mode` if missing and returns its canonical path.
-fn make_dir(dir: &Path, mode: u32) -> Result<PathBuf, DaemonError> {
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(mode)
-        .create(dir)
-        .map_err(|source| DaemonError::Io {
-            what: "creating",
-            path: dir.to_path_buf(),
-            source,
-        })?;
-    std::fs::canonicalize(dir).map_err(|source| DaemonError::Io {
-        what: "resolving",
-        path: dir.to_path_buf(),
-        source,
-    })
 }
 
 /// The running control plane.
@@ -192,78 +177,6 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts the control plane: creates and locks the directories, reads the desired state,
-    /// removes leftovers of disks that are not in it, and starts supervising every disk
-    /// (adopting frontends that still run, starting the missing ones, in the background).
-    pub async fn open(config: Config) -> Result<Arc<Daemon>, DaemonError> {
-        // The state directory holds nothing anyone else needs. The runtime directory holds
-        // the vhost-user sockets, which a VMM running as another user must be able to reach;
-        // what must stay private there (control and admin sockets, pid files, logs) is
-        // created with mode 0600.
-        let state_dir = make_dir(&config.state_dir, 0o700)?;
-        let runtime_dir = make_dir(&config.runtime_dir, 0o755)?;
-        let disks_dir = make_dir(&runtime_dir.join("disks"), 0o755)?;
-        // Group files are for blkplaned and its frontends only.
-        let throttle_dir = make_dir(&runtime_dir.join("throttle"), 0o700)?;
-        let locks = [
-            DirLock::acquire(&state_dir)?,
-            DirLock::acquire(&runtime_dir)?,
-        ];
-        let store = StateStore::new(&state_dir);
-        let mut state = store.load()?;
-        prepare_throttle(&store, &mut state, &throttle_dir);
-        let settings = Arc::new(Settings {
-            frontend_binary: config.frontend_binary,
-            disks_dir: disks_dir.clone(),
-            policy: config.policy,
-            start_timeout: config.start_timeout,
-            poll_interval: config.poll_interval,
-            throttle_dir,
-            disk_user: config.disk_user,
-            can_run_as: validate::can_run_disks_as_other_users(),
-        });
-        let daemon = Arc::new(Daemon {
-            settings,
-            store,
-            events: EventBus::new(),
-            ctx: validate::Context {
-                disks_dir,
-                socket_dirs: config.socket_dirs,
-                image_dirs: config.image_dirs,
-                can_run_as: validate::can_run_disks_as_other_users(),
-            },
-            state_dir,
-            runtime_dir,
-            disks: Mutex::new(BTreeMap::new()),
-            ops: tokio::sync::Mutex::new(()),
-            startup_done: AtomicBool::new(false),
-            _locks: locks,
-        });
-        daemon.sweep_orphans(&state).await;
-        // Incoming disks found in the state take over like new ones.
-        tokio::spawn(watch_incoming(
-            Arc::downgrade(&daemon),
-            daemon.settings.poll_interval,
-        ));
-        let mut disks = lock(&daemon.disks);
-        for StoredDisk { spec, lifecycle } in state.disks {
-            let id = spec.id.clone();
-            let handle = DiskHandle::spawn(
-                spec,
-                lifecycle,
-                Arc::clone(&daemon.settings),
-                daemon.events.clone(),
-                Initial::AdoptOrStart,
-            );
-            disks.insert(id, handle);
-        }
-        drop(disks);
-        // Latch the end of start-up as soon as it happens, not at the first /readyz: a disk
-        // that crashes later is `Starting` again, which is no start-up any more.
-        tokio::spawn(watch_startup(Arc::downgrade(&daemon)));
-        Ok(daemon)
-    }
-
     /// The state directory (canonical).
     pub fn state_dir(&self) -> &Path {
         &self.state_dir
@@ -283,84 +196,6 @@ impl Daemon {
     /// runtime state and asks their frontends itself).
     pub fn disks(&self) -> Vec<Arc<DiskHandle>> {
         lock(&self.disks).values().cloned().collect()
-    }
-
-    /// Whether start-up is over: every disk of the loaded state has been adopted or started,
-    /// or its first start has failed (it is then restarting or failed, as the API shows).
-    ///
-    /// Each such disk is `Starting` from the moment [`Daemon::open`] puts it in the table
-    /// until its first adoption or start is over, so "no disk is starting" means all of them
-    /// got that far; from then on this stays true (a later restart is not start-up).
-    pub fn startup_done(&self) -> bool {
-        if self.startup_done.load(Ordering::Acquire) {
-            return true;
-        }
-        let starting = lock(&self.disks)
-            .values()
-            .any(|d| d.runtime().state == DiskState::Starting);
-        if !starting {
-            self.startup_done.store(true, Ordering::Release);
-        }
-        !starting
-    }
-
-    /// Kills frontends and removes files of disk ids in the runtime directory that are not in
-    /// the desired state: leftovers of a crash between starting a disk and persisting it, or
-    /// during a removal.
-    async fn sweep_orphans(&self, state: &State) {
-        let disks_dir = &self.settings.disks_dir;
-        let wanted: BTreeSet<&str> = state.disks.iter().map(|d| d.spec.id.as_str()).collect();
-        // Every file of a wanted disk, whatever its name looks like.
-        let mut protected: BTreeSet<PathBuf> = BTreeSet::new();
-        for disk in &state.disks {
-            let paths = DiskPaths::new(disks_dir, &disk.spec);
-            protected.insert(paths.vhost_socket.clone());
-            protected.extend(paths.own_files().iter().map(|p| p.to_path_buf()));
-        }
-        let mut orphans = BTreeSet::new();
-        if let Ok(dir) = std::fs::read_dir(disks_dir) {
-            for entry in dir.filter_map(|e| e.ok()) {
-                let path = entry.path();
-                if protected.contains(&path) {
-                    continue;
-                }
-                let name = entry.file_name().to_string_lossy().into_owned();
-                match paths::split_runtime_name(&name) {
-                    // A default vhost-user socket of a disk that is gone, if nobody uses it.
-                    Some((id, paths::SOCKET_SUFFIX)) => {
-                        let stale = !wanted.contains(id)
-                            && entry.file_type().is_ok_and(|t| t.is_socket())
-                            && !proc::is_listening(&path);
-                        if stale {
-                            let _ = std::fs::remove_file(&path);
-                        }
-                    }
-                    Some((id, _)) if !wanted.contains(id) => {
-                        orphans.insert(id.to_string());
-                    }
-                    _ => {}
-                }
-            }
-        }
-        // Frontends whose pid file is gone but which still run with an admin socket here.
-        let prefix = format!("--admin-socket={}/", disks_dir.display());
-        for pid in proc::find_processes_with_arg_prefix(&prefix) {
-            for a in proc::cmdline(pid).unwrap_or_default() {
-                let a = a.to_string_lossy();
-                if let Some(id) = a
-                    .strip_prefix(&prefix)
-                    .and_then(|rest| rest.strip_suffix(paths::ADMIN_SUFFIX))
-                {
-                    if !wanted.contains(id) {
-                        orphans.insert(id.to_string());
-                    }
-                }
-            }
-        }
-        for id in orphans {
-            warn!("removing leftovers of disk {id}, which is not in the state");
-            supervisor::sweep_orphan(disks_dir, &id, &protected).await;
-        }
     }
 
     /// The desired state as it is in the table.
@@ -552,18 +387,18 @@ impl Daemon {
         let paths = DiskPaths::new(&self.settings.disks_dir, &spec);
         // A frontend left over from an earlier disk of this id would answer on the admin
         // socket in place of the new one.
-        for pid in supervisor::kill_strays(&paths).await {
+        for pid in frontend::kill_strays(&paths).await {
             warn!("disk {}: killed a stray frontend {pid}", spec.id);
         }
         let throttle_request =
             throttle::frontend_request(&throttle_setting, &self.settings.throttle_dir);
         let started =
-            supervisor::start_throttled(&self.settings, &spec, &paths, false, &throttle_request)
+            frontend::start_throttled(&self.settings, &spec, &paths, false, &throttle_request)
                 .await;
         let started = match started {
             Ok(started) => started,
             Err(source) => {
-                supervisor::remove_files(&paths);
+                frontend::remove_files(&paths);
                 return Err(DaemonError::Start {
                     id: spec.id.clone(),
                     source,
@@ -582,7 +417,7 @@ impl Daemon {
                 spec.id
             );
             started.frontend.stop(Duration::from_secs(5)).await;
-            supervisor::remove_files(&paths);
+            frontend::remove_files(&paths);
             return Err(e.into());
         }
         let pid = started.frontend.pid();
@@ -936,378 +771,6 @@ impl Daemon {
         Ok(self.migration_status(&disk))
     }
 
-    /// Every disk's I/O limits and throttle group, by id.
-    fn throttle_settings(&self) -> BTreeMap<String, ThrottleSetting> {
-        lock(&self.disks)
-            .iter()
-            .map(|(id, d)| (id.clone(), d.runtime().lifecycle.throttle))
-            .collect()
-    }
-
-    /// The throttle setting of a disk being added: an incoming disk takes its source's limits
-    /// and group, as a member of its own with the lowest free index (RESOURCE_EXHAUSTED
-    /// `incoming_for` when the group is full); any other disk starts without. The group's
-    /// file is made sure of (the source's membership should have it there already).
-    fn incoming_throttle(&self, spec: &DiskSpec) -> Result<ThrottleSetting, DaemonError> {
-        let Some(source) = &spec.incoming_for else {
-            return Ok(ThrottleSetting::default());
-        };
-        let settings = self.throttle_settings();
-        let of_source = settings.get(source).cloned().unwrap_or_default();
-        let plan = throttle::plan_set(&settings, &spec.id, of_source.limits, &of_source.group)
-            .map_err(|full| ValidationError::ResourceExhausted {
-                field: "incoming_for",
-                reason: format!(
-                    "disk {source} is in throttle group {}, which has {MAX_GROUP_MEMBERS} \
-                     members already (the most a group can have); its incoming disk would be \
-                     one more",
-                    full.group
-                ),
-            })?;
-        let setting = plan.changes.get(&spec.id).cloned().unwrap_or_default();
-        if !setting.group.is_empty() {
-            self.ensure_group(&setting.group)?;
-        }
-        Ok(setting)
-    }
-
-    /// Makes sure the state file of `group` exists; true if it had to be created.
-    fn ensure_group(&self, group: &str) -> Result<bool, DaemonError> {
-        let path = throttle::group_file(&self.settings.throttle_dir, group);
-        match throttle::ensure_group_file(&path) {
-            Ok(GroupFile::Created) => Ok(true),
-            Ok(GroupFile::Present) => Ok(false),
-            Ok(GroupFile::Extended) => {
-                warn!("{} was short; extended with zeros", path.display());
-                Ok(false)
-            }
-            Err(source) => Err(DaemonError::Io {
-                what: "creating",
-                path,
-                source,
-            }),
-        }
-    }
-
-    /// Removes the state file of `group` (empty: none) if no disk of the table is in it any
-    /// more. Callers hold `ops`, so that no disk joins meanwhile.
-    fn drop_group_if_empty(&self, group: &str) {
-        if group.is_empty() {
-            return;
-        }
-        let used = lock(&self.disks)
-            .values()
-            .any(|d| d.runtime().lifecycle.throttle.group == group);
-        if !used {
-            info!("throttle group {group} has no member left; removing its file");
-            throttle::remove_group_file(&throttle::group_file(&self.settings.throttle_dir, group));
-        }
-    }
-
-    /// The API view of a disk's I/O limits and throttle group.
-    fn throttle_config(&self, disk: &DiskHandle) -> pb::ThrottleConfig {
-        let setting = disk.runtime().lifecycle.throttle;
-        let members: Vec<Arc<DiskHandle>> = if setting.group.is_empty() {
-            Vec::new()
-        } else {
-            lock(&self.disks)
-                .values()
-                .filter(|d| d.runtime().lifecycle.throttle.group == setting.group)
-                .cloned()
-                .collect()
-        };
-        let mut pending: BTreeSet<String> = members
-            .iter()
-            .filter(|d| d.throttle_pending())
-            .map(|d| d.spec.id.clone())
-            .collect();
-        if disk.throttle_pending() {
-            pending.insert(disk.spec.id.clone());
-        }
-        pb::ThrottleConfig {
-            id: disk.spec.id.clone(),
-            limits: Some(setting.limits),
-            member_index: if setting.group.is_empty() {
-                0
-            } else {
-                setting.member_index
-            },
-            group_members: members.iter().map(|d| d.spec.id.clone()).collect(),
-            group: setting.group,
-            pending: pending.into_iter().collect(),
-        }
-    }
-
-    /// GetThrottle.
-    pub fn get_throttle(&self, id: &str) -> Result<pb::ThrottleConfig, DaemonError> {
-        let disk = self.get_handle(id)?;
-        Ok(self.throttle_config(&disk))
-    }
-
-    /// SetThrottle: checks the request, works out what changes (the disk's setting and, in a
-    /// group, every member's limits), creates the group's file, persists all changes in one
-    /// write (undone on failure, with the file if it was new), removes the file of a group
-    /// the disk was the last member of, then sends the limits to every frontend whose
-    /// setting changed — all at once — and returns when each has them or failed to take
-    /// them (`pending`). A refused call changes nothing.
-    pub async fn set_throttle(
-        &self,
-        id: &str,
-        limits: ThrottleLimits,
-        group: &str,
-    ) -> Result<pb::ThrottleConfig, DaemonError> {
-        let (disk, targets) = {
-            let _ops = self.ops.lock().await;
-            let disk = self.get_handle(id)?;
-            validate::check_limits(&limits)?;
-            if !group.is_empty() {
-                validate::check_group(group)?;
-            }
-            let settings = self.throttle_settings();
-            let plan = throttle::plan_set(&settings, id, limits, group).map_err(|full| {
-                ValidationError::ResourceExhausted {
-                    field: "group",
-                    reason: format!(
-                        "throttle group {} has {MAX_GROUP_MEMBERS} members already, the most a \
-                         group can have",
-                        full.group
-                    ),
-                }
-            })?;
-            // The file before the state: a group in the state always has its file.
-            let created = !group.is_empty() && self.ensure_group(group)?;
-            let mut changed = Vec::with_capacity(plan.changes.len());
-            for (member, setting) in &plan.changes {
-                if let Ok(handle) = self.get_handle(member) {
-                    let old = handle.runtime().lifecycle.throttle;
-                    handle.update(|rt| rt.lifecycle.throttle = setting.clone());
-                    changed.push((handle, old));
-                }
-            }
-            if let Err(e) = self.persist() {
-                for (handle, old) in &changed {
-                    handle.update(|rt| rt.lifecycle.throttle = old.clone());
-                }
-                if created {
-                    throttle::remove_group_file(&throttle::group_file(
-                        &self.settings.throttle_dir,
-                        group,
-                    ));
-                }
-                return Err(e);
-            }
-            for (handle, old) in &changed {
-                let new = handle.runtime().lifecycle.throttle;
-                info!(
-                    "disk {}: I/O limits {}{}",
-                    handle.spec.id,
-                    describe_limits(&new.limits),
-                    describe_group(old, &new)
-                );
-            }
-            if let Some(emptied) = &plan.emptied {
-                self.drop_group_if_empty(emptied);
-            }
-            let mut targets: Vec<Arc<DiskHandle>> = changed.into_iter().map(|(h, _)| h).collect();
-            // The disk itself even when nothing changed: its frontend may still lack them.
-            if !targets.iter().any(|h| h.spec.id == id) {
-                targets.push(Arc::clone(&disk));
-            }
-            (disk, targets)
-        };
-        // Outside `ops`: a hung frontend must not hold up the other disks' calls. Each send
-        // reads the disk's current setting under the disk's own lock, so a later SetThrottle
-        // that overtakes this one is never undone by it.
-        let mut sends = tokio::task::JoinSet::new();
-        for handle in targets {
-            sends.spawn(async move {
-                let result = handle.push_throttle().await;
-                (handle.spec.id.clone(), result)
-            });
-        }
-        while let Some(done) = sends.join_next().await {
-            match done {
-                Ok((member, Err(e))) => warn!(
-                    "disk {member}: the frontend did not take the new I/O limits: {e}; \
-                     trying again at every poll"
-                ),
-                Ok((_, Ok(()))) => {}
-                Err(e) => warn!("sending I/O limits: {e}"),
-            }
-        }
-        Ok(self.throttle_config(&disk))
-    }
-
-    /// The live migration `disk` takes part in, as (source, destination) ids: it is incoming,
-    /// or another disk is incoming for it.
-    fn migration_of(&self, disk: &DiskHandle) -> Option<(String, String)> {
-        match disk.runtime().incoming_for {
-            Some(source) => Some((source, disk.spec.id.clone())),
-            None => self.migration_of_id(&disk.spec.id),
-        }
-    }
-
-    /// The live migration whose source is named `id` (whether or not that disk exists), as
-    /// (source, destination) ids.
-    fn migration_of_id(&self, id: &str) -> Option<(String, String)> {
-        lock(&self.disks)
-            .values()
-            .find(|d| d.runtime().incoming_for.as_deref() == Some(id))
-            .map(|d| (id.to_string(), d.spec.id.clone()))
-    }
-
-    /// The incoming disks whose VMM, by the supervisor's last poll, runs the migrated VM.
-    fn takeover_candidates(&self) -> Vec<String> {
-        lock(&self.disks)
-            .values()
-            .filter(|d| {
-                let rt = d.runtime();
-                rt.incoming_for.is_some()
-                    && rt.pid != 0
-                    && serving(rt.state)
-                    && rt
-                        .status
-                        .as_ref()
-                        .is_some_and(|s| s.pid == rt.pid && migration::destination_runs(s))
-            })
-            .map(|d| d.spec.id.clone())
-            .collect()
-    }
-
-    /// The takeover of incoming disk `id` from its migration source, once its VMM runs the
-    /// migrated VM (connected, a ring started; asked again now, not taken from the last
-    /// poll). The source is retired as RemoveDisk with force does it — its frontend and
-    /// iothreads stopped, its files and state entry removed, a REMOVED event — and the
-    /// disk's `incoming_for` is cleared, both in one state write, then MIGRATED is emitted.
-    /// The source is not retired while its frontend serves a running ring (the VM would
-    /// then run on both sides; BOTH_SERVING, once, and an error in the log) or while it
-    /// cannot tell (its frontend runs but does not answer): the next call tries again. A
-    /// source that is gone is not waited for.
-    pub async fn take_over(&self, id: &str) -> Result<(), DaemonError> {
-        let _ops = self.ops.lock().await;
-        // Removed, or already taken over, since it was seen running.
-        let Ok(disk) = self.get_handle(id) else {
-            return Ok(());
-        };
-        let rt = disk.runtime();
-        let Some(source_id) = rt.incoming_for.clone() else {
-            return Ok(());
-        };
-        if rt.pid == 0 || !serving(rt.state) {
-            return Ok(());
-        }
-        let status = admin::status(&disk.paths.admin_socket)
-            .await
-            .map_err(|source| DaemonError::Admin {
-                id: id.to_string(),
-                source,
-            })?;
-        disk.record_status(&status);
-        if status.pid != rt.pid || !migration::destination_runs(&status) {
-            return Ok(());
-        }
-        let source = lock(&self.disks).get(&source_id).cloned();
-        if let Some(src) = &source {
-            if let Some(wait) = self.source_serves(src).await {
-                let first = lock(&disk.takeover_wait).replace(wait) != Some(wait);
-                if first {
-                    self.report_takeover_wait(id, &source_id, rt.pid, wait);
-                }
-                return Ok(());
-            }
-        }
-        info!(
-            "disk {id}: its VMM runs the migrated VM; taking over from disk {source_id}{}",
-            if source.is_some() {
-                " and retiring it"
-            } else {
-                ", which is gone"
-            }
-        );
-        // One write for both changes: after a crash the source is either still there with
-        // this disk incoming (the takeover runs again), or gone with this disk taken over.
-        let mut state = Self::state_from(&lock(&self.disks));
-        state.disks.retain(|d| d.spec.id != source_id);
-        for d in state.disks.iter_mut().filter(|d| d.spec.id == id) {
-            d.spec.incoming_for = None;
-        }
-        self.store.save(&state)?;
-        if source.is_some() {
-            lock(&self.disks).remove(&source_id);
-        }
-        disk.update(|rt| rt.incoming_for = None);
-        *lock(&disk.takeover_wait) = None;
-        disk.push_blockers().await;
-        let message = match &source {
-            Some(src) => {
-                let pid = src.runtime().pid;
-                src.stop().await;
-                self.drop_group_if_empty(&src.runtime().lifecycle.throttle.group);
-                self.events.emit(
-                    EventKind::Removed,
-                    &source_id,
-                    pid,
-                    format!("retired: disk {id} took over from it (live migration)"),
-                );
-                format!("disk {id} took over from {source_id}; {source_id} retired")
-            }
-            None => format!(
-                "disk {id} took over from {source_id}; {source_id} had already been removed"
-            ),
-        };
-        self.events
-            .emit(EventKind::Migrated, id, disk.runtime().pid, message);
-        Ok(())
-    }
-
-    /// Why the migration source `src` must not be retired now, if it must not: its frontend
-    /// serves a running ring, or it runs but cannot be asked. A source without a running
-    /// frontend (failed, restarting, starting) serves nothing.
-    async fn source_serves(&self, src: &DiskHandle) -> Option<TakeoverWait> {
-        let rt = src.runtime();
-        if rt.pid == 0 {
-            return None;
-        }
-        match admin::status(&src.paths.admin_socket).await {
-            Ok(status) if status.pid == rt.pid => {
-                src.record_status(&status);
-                migration::serves_running_ring(&status).then_some(TakeoverWait::BothServing)
-            }
-            Ok(status) => {
-                debug!(
-                    "disk {}: the admin socket answers for pid {}, not {}",
-                    src.spec.id, status.pid, rt.pid
-                );
-                Some(TakeoverWait::SourceUnknown)
-            }
-            Err(e) => {
-                debug!("disk {}: status: {e}", src.spec.id);
-                Some(TakeoverWait::SourceUnknown)
-            }
-        }
-    }
-
-    /// Logs (and, for both sides serving, announces) why the takeover of `id` from
-    /// `source` waits; called once when that reason begins.
-    fn report_takeover_wait(&self, id: &str, source: &str, pid: u32, wait: TakeoverWait) {
-        match wait {
-            TakeoverWait::BothServing => {
-                let message = format!(
-                    "the VMM of disk {id} runs its rings while the frontend of disk {source}, \
-                     its migration source, still serves a running ring: the image is served \
-                     by both at once; {source} is retired once its rings stop"
-                );
-                error!("disk {id}: {message}");
-                self.events.emit(EventKind::BothServing, id, pid, message);
-            }
-            TakeoverWait::SourceUnknown => warn!(
-                "disk {id}: its VMM runs, but the frontend of disk {source}, its migration \
-                 source, does not answer, so whether it still serves a ring is unknown; \
-                 {source} is retired once it answers without running rings (or is removed)"
-            ),
-        }
-    }
-
     /// Waits until no disk is starting or restarting (or `timeout` passed); returns the
     /// disks as they are then.
     pub async fn settle(&self, timeout: Duration) -> Vec<pb::Disk> {
@@ -1324,132 +787,6 @@ impl Daemon {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-}
-
-/// The limits that are set, for the log: `iops_total=500 bps_read=1048576`, or `none`.
-fn describe_limits(limits: &ThrottleLimits) -> String {
-    let set = blkplane_api::limits::set_limits(limits);
-    if set.is_empty() {
-        return "none".into();
-    }
-    set.iter()
-        .map(|(name, value)| format!("{name}={value}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// A group change, for the log.
-fn describe_group(old: &ThrottleSetting, new: &ThrottleSetting) -> String {
-    match (old.group.as_str(), new.group.as_str()) {
-        ("", "") => String::new(),
-        (o, n) if o == n => format!(" (group {n}, member {})", new.member_index),
-        ("", n) => format!("; joined group {n} as member {}", new.member_index),
-        (o, "") => format!("; left group {o}"),
-        (o, n) => format!(
-            "; left group {o}, joined group {n} as member {}",
-            new.member_index
-        ),
-    }
-}
-
-/// Brings the throttle groups of a just-loaded state in order before any frontend is
-/// supervised: member indices repaired if the file had clashes (persisted at once), every
-/// group's state file created if it is missing — never truncated if present, as running
-/// frontends map it — and files of groups that have no member removed (left by a crash
-/// between a state write and the file's creation or removal).
-fn prepare_throttle(store: &StateStore, state: &mut State, throttle_dir: &Path) {
-    let mut settings: BTreeMap<String, ThrottleSetting> = state
-        .disks
-        .iter()
-        .map(|d| (d.spec.id.clone(), d.lifecycle.throttle.clone()))
-        .collect();
-    let mut notes = Vec::new();
-    for (id, s) in settings.iter_mut() {
-        // A group name names a file: one that SetThrottle would refuse (a hand-edited state)
-        // must not reach the file system. The disk keeps its limits, alone.
-        if !s.group.is_empty() {
-            if let Err(e) = validate::check_group(&s.group) {
-                notes.push(format!("disk {id}: {e}; taken out of the group"));
-                s.group.clear();
-            }
-        }
-        // Its frontend would refuse them (and serve unthrottled): say so, once.
-        if let Err(e) = validate::check_limits(&s.limits) {
-            error!(
-                "disk {id}: the stored I/O limits are invalid ({e}); its frontend will refuse them"
-            );
-        }
-    }
-    notes.extend(throttle::repair_indices(&mut settings));
-    if !notes.is_empty() {
-        for note in &notes {
-            warn!("{}: {note}", store.path().display());
-        }
-        for d in &mut state.disks {
-            if let Some(s) = settings.remove(&d.spec.id) {
-                d.lifecycle.throttle = s;
-            }
-        }
-        if let Err(e) = store.save(state) {
-            warn!("persisting the repaired member indices: {e}");
-        }
-    }
-    let groups: BTreeSet<String> = state
-        .disks
-        .iter()
-        .map(|d| d.lifecycle.throttle.group.clone())
-        .filter(|g| !g.is_empty())
-        .collect();
-    for group in &groups {
-        let path = throttle::group_file(throttle_dir, group);
-        match throttle::ensure_group_file(&path) {
-            Ok(GroupFile::Present) => {}
-            Ok(GroupFile::Created) => info!("throttle group {group}: created {}", path.display()),
-            Ok(GroupFile::Extended) => {
-                warn!(
-                    "throttle group {group}: {} was short; extended with zeros",
-                    path.display()
-                )
-            }
-            // Its members' frontends then refuse the limits and stay pending (logged).
-            Err(e) => error!("throttle group {group}: {}: {e}", path.display()),
-        }
-    }
-    for stale in throttle::stale_group_files(throttle_dir, &groups) {
-        info!(
-            "removing {}: its throttle group has no member",
-            stale.display()
-        );
-        throttle::remove_group_file(&stale);
-    }
-}
-
-/// Hands every incoming disk whose VMM runs the migrated VM to [`Daemon::take_over`], every
-/// `interval` (the supervisors' poll interval, whose status it reads), for as long as the
-/// daemon lives.
-async fn watch_incoming(daemon: Weak<Daemon>, interval: Duration) {
-    loop {
-        tokio::time::sleep(interval).await;
-        let Some(daemon) = daemon.upgrade() else {
-            return;
-        };
-        for id in daemon.takeover_candidates() {
-            if let Err(e) = daemon.take_over(&id).await {
-                warn!("disk {id}: takeover: {e}; trying again");
-            }
-        }
-    }
-}
-
-/// Latches [`Daemon::startup_done`] once it holds (checked every 20 ms, as `settle` does).
-async fn watch_startup(daemon: Weak<Daemon>) {
-    loop {
-        match daemon.upgrade() {
-            Some(d) if !d.startup_done() => {}
-            _ => return,
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

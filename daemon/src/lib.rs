@@ -13,7 +13,9 @@
 //! |---|---|
 //! | [`service`] | the gRPC service (status codes) |
 //! | [`daemon`] | the disk table and its operations; start-up, orphan sweep; the takeover of an incoming (live-migration destination) disk |
-//! | [`supervisor`] | starting, adopting, stopping and restarting frontends |
+//! | [`supervisor`] | the supervision of a disk: its handle, polling, restarting a crashed frontend with back-off |
+//! | [`frontend`] | a frontend process: command line, start, adoption, strays, pid file and log |
+//! | [`settings`] | how frontends are run: binary, directories, timeouts, restart policy |
 //! | [`state`] | the persisted desired state |
 //! | [`validate`] | input validation, with messages that name the field |
 //! | [`admin`] | client of a frontend's admin channel |
@@ -31,6 +33,7 @@
 pub mod admin;
 pub mod daemon;
 pub mod events;
+pub mod frontend;
 pub mod metrics;
 pub mod migration;
 pub mod paths;
@@ -38,6 +41,7 @@ pub mod proc;
 pub mod runtime;
 pub mod server;
 pub mod service;
+pub mod settings;
 pub mod state;
 pub mod supervisor;
 pub mod throttle;
