@@ -4,7 +4,9 @@
 //! message, with the gRPC status code, goes to stderr), 2 for a command-line error. `health`
 //! exits 1 also when blkplaned answers with any status but SERVING.
 
+mod limits;
 mod output;
+mod text;
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -113,7 +115,7 @@ enum DiskCmd {
         /// The disk.
         id: String,
         /// The new size.
-        #[arg(value_parser = output::parse_size)]
+        #[arg(value_parser = text::parse_size)]
         size: u64,
     },
     /// Quiesce a disk for a snapshot or backup: the guest's requests wait (none fails), the
@@ -148,7 +150,7 @@ enum DiskCmd {
         id: String,
         // Boxed: its 21 options would make every other command as large.
         #[command(flatten)]
-        args: Box<output::ThrottleArgs>,
+        args: Box<limits::ThrottleArgs>,
     },
 }
 
@@ -373,8 +375,8 @@ fn print_migration(format: Format, m: &MigrationStatus) {
 
 fn print_throttle(format: Format, t: &ThrottleConfig) {
     match format {
-        Format::Json => print_json(&output::throttle_json(t)),
-        Format::Table => print!("{}", output::throttle_detail(t)),
+        Format::Json => print_json(&limits::throttle_json(t)),
+        Format::Table => print!("{}", limits::throttle_detail(t)),
     }
 }
 
@@ -474,7 +476,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 Format::Table => println!(
                     "{id}: capacity {} bytes ({}); guest notified: {}",
                     done.capacity_bytes,
-                    output::format_bytes(done.capacity_bytes),
+                    text::format_bytes(done.capacity_bytes),
                     if done.guest_notified { "yes" } else { "no" }
                 ),
             }
@@ -552,7 +554,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                         .await?
                         .into_inner()
                         .disks;
-                    output::group_limits(&disks, group)
+                    limits::group_limits(&disks, group)
                 }
                 None => None,
             };
