@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use blkplane_proto::v1::{LatencyHistogram, QueueStats, ResizeDone};
@@ -28,6 +28,7 @@ use crate::state::{
     StoredDisk,
 };
 use crate::supervisor::{DiskHandle, Initial};
+use crate::sync::lock;
 use crate::throttle;
 use crate::validate::{self, ValidationError};
 use blkplane_api::names::{reason_name, state_name};
@@ -151,10 +152,6 @@ pub enum DaemonError {
         /// The OS error.
         source: std::io::Error,
     },
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The running control plane.

@@ -20,9 +20,9 @@ use tokio::io::unix::AsyncFd;
 
 use crate::admin::{self};
 use crate::paths::{pid_tmp, DiskPaths};
-use crate::proc;
 use crate::state::{DiskSpec, RunAsSpec};
 use crate::throttle;
+use blkplane_procfs as proc;
 
 use crate::settings::Settings;
 
@@ -789,20 +789,19 @@ mod tests {
 
     #[test]
     fn pid_files() {
-        let dir = std::env::temp_dir().join(format!("bpsv-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = blkplane_tests::TempDir::new("bpsv");
+        let dir = scratch.path().to_path_buf();
         let f = dir.join("x.pid");
         write_pid_file(&f, 1234).unwrap();
         assert_eq!(read_pid_file(&f), Some(1234));
         std::fs::write(&f, "garbage").unwrap();
         assert_eq!(read_pid_file(&f), None);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn log_tail_skips_our_notes() {
-        let dir = std::env::temp_dir().join(format!("bplt-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = blkplane_tests::TempDir::new("bplt");
+        let dir = scratch.path().to_path_buf();
         let f = dir.join("x.log");
         let mut text = String::from("--- blkplaned: starting\n");
         for i in 0..20 {
@@ -814,14 +813,13 @@ mod tests {
             tail.starts_with("line 10\n") && tail.ends_with("line 19"),
             "{tail}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A fake frontend (a shell script) that exits at once: start() reports it with the log.
     #[tokio::test]
     async fn start_reports_an_early_exit() {
-        let dir = std::env::temp_dir().join(format!("bpst-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = blkplane_tests::TempDir::new("bpst");
+        let dir = scratch.path().to_path_buf();
         let script = dir.join("fake-frontend");
         std::fs::write(&script, "#!/bin/sh\necho 'cannot open image' >&2\nexit 3\n").unwrap();
         std::os::unix::fs::PermissionsExt::set_mode(
@@ -864,6 +862,5 @@ mod tests {
         assert!(!std::fs::read_to_string(&paths.log_file)
             .unwrap_or_default()
             .contains("run-as"));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

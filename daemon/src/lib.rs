@@ -22,11 +22,11 @@
 //! | [`events`] | the WatchEvents broadcast |
 //! | [`migration`] | migration blockers (automatic and the operator's) |
 //! | [`throttle`] | I/O limits and throttle groups: member indices, group files, what a frontend is sent |
+//! | [`sync`] | the poison-ignoring lock every module takes |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
 //! | [`metrics`] | the `--metrics-listen` HTTP endpoint: Prometheus metrics, `/healthz`, `/readyz` |
 //! | [`runtime`] | what a disk looks like right now (state, pid, restarts, last status) |
 //! | [`paths`] | a disk's files in the runtime directory |
-//! | [`proc`] | pidfds and /proc |
 
 #![warn(missing_docs)]
 
@@ -37,13 +37,13 @@ pub mod frontend;
 pub mod metrics;
 pub mod migration;
 pub mod paths;
-pub mod proc;
 pub mod runtime;
 pub mod server;
 pub mod service;
 pub mod settings;
 pub mod state;
 pub mod supervisor;
+pub mod sync;
 pub mod throttle;
 pub mod validate;
 

@@ -130,7 +130,7 @@ fn read(path: &Path) -> Result<Vec<u8>, ServerError> {
 pub fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
     match std::fs::symlink_metadata(path) {
         Ok(md) if md.file_type().is_socket() => {
-            if crate::proc::is_listening(path) {
+            if blkplane_procfs::is_listening(path) {
                 return Err(ServerError::InUse(path.to_path_buf()));
             }
             let _ = std::fs::remove_file(path);
@@ -400,8 +400,8 @@ mod tests {
 
     #[tokio::test]
     async fn control_socket_is_private_and_exclusive() {
-        let dir = std::env::temp_dir().join(format!("bpsrv-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = blkplane_tests::TempDir::new("bpsrv");
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("control.sock");
         let l = bind_unix(&path).unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
@@ -410,6 +410,5 @@ mod tests {
         drop(l);
         // Stale now: replaced.
         let _l = bind_unix(&path).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

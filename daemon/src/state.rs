@@ -463,13 +463,6 @@ mod tests {
         assert!(serde_json::from_str::<W>(r#"{"l":{"iops_totl":1}}"#).is_err());
     }
 
-    fn tmp(tag: &str) -> PathBuf {
-        let p = std::env::temp_dir().join(format!("bps-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        p
-    }
-
     fn stored(id: &str) -> StoredDisk {
         StoredDisk {
             spec: spec(id),
@@ -498,7 +491,8 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let dir = tmp("rt");
+        let scratch = blkplane_tests::TempDir::new("rt");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         assert!(!store.exists());
         assert_eq!(store.load().unwrap(), State::default());
@@ -521,12 +515,12 @@ mod tests {
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         assert_eq!(names, vec![STATE_FILE.to_string()]);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn old_file_survives_a_failed_write() {
-        let dir = tmp("fail");
+        let scratch = blkplane_tests::TempDir::new("fail");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         let state = State {
             version: STATE_VERSION,
@@ -537,12 +531,12 @@ mod tests {
         std::fs::create_dir(dir.join(format!(".{STATE_FILE}.tmp"))).unwrap();
         assert!(store.save(&State::default()).is_err());
         assert_eq!(store.load().unwrap(), state);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn lifecycle_is_stored_beside_the_config() {
-        let dir = tmp("lifecycle");
+        let scratch = blkplane_tests::TempDir::new("lifecycle");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         let mut a = stored("a");
         a.lifecycle = DiskLifecycle {
@@ -574,12 +568,12 @@ mod tests {
         assert_eq!(loaded.disks[0].lifecycle, DiskLifecycle::default());
         assert_eq!(loaded.disks[0].spec.id, "x");
         assert_eq!(loaded.disks[0].spec.incoming_for, None);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn incoming_for_is_persisted_and_shown() {
-        let dir = tmp("incoming");
+        let scratch = blkplane_tests::TempDir::new("incoming");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         let mut b = stored("b");
         b.spec.incoming_for = Some("a".into());
@@ -595,12 +589,12 @@ mod tests {
         assert_eq!(text.matches("incoming_for").count(), 1, "{text}");
         assert_eq!(state.disks[1].spec.to_pb().incoming_for, "a");
         assert_eq!(state.disks[0].spec.to_pb().incoming_for, "");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn run_as_is_persisted_and_shown() {
-        let dir = tmp("run-as");
+        let scratch = blkplane_tests::TempDir::new("run-as");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         let mut b = stored("b");
         b.spec.run_as = Some(RunAsSpec {
@@ -620,12 +614,12 @@ mod tests {
         let shown = state.disks[1].spec.to_pb().run_as.unwrap();
         assert_eq!((shown.uid, shown.gid, shown.groups), (107, 107, vec![36]));
         assert_eq!(state.disks[0].spec.to_pb().run_as, None);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn throttle_is_stored_with_the_disk() {
-        let dir = tmp("throttle");
+        let scratch = blkplane_tests::TempDir::new("throttle");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         let mut a = stored("a");
         a.lifecycle.throttle = ThrottleSetting {
@@ -658,12 +652,12 @@ mod tests {
         let bad = text.replace("iops_total", "iops_totl");
         std::fs::write(store.path(), bad).unwrap();
         assert!(matches!(store.load(), Err(StateError::Corrupt { .. })));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn corrupt_and_future_files() {
-        let dir = tmp("corrupt");
+        let scratch = blkplane_tests::TempDir::new("corrupt");
+        let dir = scratch.path().to_path_buf();
         let store = StateStore::new(&dir);
         std::fs::write(store.path(), b"{\"version\": 1, \"disks\": [").unwrap();
         assert!(matches!(store.load(), Err(StateError::Corrupt { .. })));
@@ -672,12 +666,12 @@ mod tests {
             store.load(),
             Err(StateError::Version { found: 9, .. })
         ));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn lock_is_exclusive() {
-        let dir = tmp("lock");
+        let scratch = blkplane_tests::TempDir::new("lock");
+        let dir = scratch.path().to_path_buf();
         let first = DirLock::acquire(&dir).unwrap();
         // flock locks belong to the open file description, so a second open in the same
         // process conflicts just like another process would.
@@ -687,6 +681,5 @@ mod tests {
         ));
         drop(first);
         DirLock::acquire(&dir).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

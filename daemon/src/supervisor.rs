@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use blkplane_proto::v1::{FrontendStatus, SetThrottle};
@@ -28,6 +28,7 @@ use crate::pb::{self, DiskState, EventKind, MigrationBlockerReason};
 use crate::runtime::{serving, Runtime};
 use crate::settings::{RestartPolicy, Settings};
 use crate::state::{DiskLifecycle, DiskSpec};
+use crate::sync::lock;
 use crate::throttle;
 use blkplane_api::names::reason_name;
 
@@ -354,11 +355,6 @@ impl DiskHandle {
             }
         }
     }
-}
-
-/// Locks a mutex, ignoring poisoning (the data is plain state that stays consistent).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The disk state a running frontend's status implies.

@@ -461,9 +461,8 @@ mod tests {
 
     #[test]
     fn group_files() {
-        let dir = std::env::temp_dir().join(format!("bpth-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = blkplane_tests::TempDir::new("bpth");
+        let dir = scratch.path().to_path_buf();
         let f = group_file(&dir, "g");
         assert_eq!(ensure_group_file(&f).unwrap(), GroupFile::Created);
         let meta = std::fs::metadata(&f).unwrap();
@@ -498,6 +497,5 @@ mod tests {
         std::os::unix::fs::symlink(dir.join("notes.txt"), group_file(&dir, "link")).unwrap();
         assert!(ensure_group_file(&group_file(&dir, "link")).is_err());
         assert_eq!(std::fs::read(dir.join("notes.txt")).unwrap(), b"x");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

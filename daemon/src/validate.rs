@@ -14,9 +14,9 @@ use thiserror::Error;
 
 use crate::migration;
 use crate::pb::{AddDiskRequest, CacheMode, MigrationBlockerReason, RunAs};
-use crate::proc;
 use crate::state::{Cache, DiskSpec, OperatorReason, RunAsSpec};
 use blkplane_api::names::reason_name;
+use blkplane_procfs as proc;
 
 /// Longest disk id.
 pub const MAX_ID_LEN: usize = 64;
@@ -805,31 +805,10 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixListener;
 
-    /// A fresh directory under the system temp dir, removed on drop.
-    struct Tmp(PathBuf);
-
-    impl Tmp {
-        fn new(tag: &str) -> Tmp {
-            use std::sync::atomic::{AtomicUsize, Ordering};
-            static N: AtomicUsize = AtomicUsize::new(0);
-            let p = std::env::temp_dir().join(format!(
-                "bpv-{tag}-{}-{}",
-                std::process::id(),
-                N.fetch_add(1, Ordering::Relaxed)
-            ));
-            std::fs::create_dir_all(&p).unwrap();
-            Tmp(p)
-        }
-    }
-
-    impl Drop for Tmp {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use blkplane_tests::TempDir as Tmp;
 
     fn ctx(tmp: &Tmp) -> Context {
-        let disks_dir = tmp.0.join("disks");
+        let disks_dir = tmp.path().join("disks");
         std::fs::create_dir_all(&disks_dir).unwrap();
         Context {
             disks_dir,
@@ -840,7 +819,7 @@ mod tests {
     }
 
     fn request(tmp: &Tmp) -> AddDiskRequest {
-        let image = tmp.0.join("disk.img");
+        let image = tmp.path().join("disk.img");
         std::fs::File::create(&image)
             .unwrap()
             .set_len(1 << 20)
@@ -938,7 +917,7 @@ mod tests {
         assert_eq!(spec.block_size, 512);
         assert_eq!(spec.iothreads, 1);
         assert_eq!(spec.cache, Cache::Direct);
-        assert_eq!(spec.vhost_socket, tmp.0.join("disks/disk0.sock"));
+        assert_eq!(spec.vhost_socket, tmp.path().join("disks/disk0.sock"));
     }
 
     #[test]
@@ -1006,23 +985,23 @@ mod tests {
         let c = ctx(&tmp);
         let base = request(&tmp);
         let mut r = base.clone();
-        r.image = tmp.0.join("missing.img").to_str().unwrap().into();
+        r.image = tmp.path().join("missing.img").to_str().unwrap().into();
         assert!(matches!(
             check_add(&r, &c),
             Err(ValidationError::NotFound { field: "image", .. })
         ));
-        r.image = tmp.0.to_str().unwrap().into();
+        r.image = tmp.path().to_str().unwrap().into();
         assert_eq!(field_of(check_add(&r, &c)), "image");
         r.image = "disk.img".into();
         assert_eq!(field_of(check_add(&r, &c)), "image");
         r.image = String::new();
         assert_eq!(field_of(check_add(&r, &c)), "image");
-        let tiny = tmp.0.join("tiny.img");
+        let tiny = tmp.path().join("tiny.img");
         std::fs::File::create(&tiny).unwrap().set_len(100).unwrap();
         r.image = tiny.to_str().unwrap().into();
         assert_eq!(field_of(check_add(&r, &c)), "image");
         // A symlink reaches the same identity as the file itself.
-        let link = tmp.0.join("link.img");
+        let link = tmp.path().join("link.img");
         std::os::unix::fs::symlink(&base.image, &link).unwrap();
         assert_eq!(
             image_identity(&link),
@@ -1040,7 +1019,7 @@ mod tests {
             r.vhost_socket = s.into();
             check_add(&r, &c)
         };
-        let root = tmp.0.to_str().unwrap().to_string();
+        let root = tmp.path().to_str().unwrap().to_string();
         assert_eq!(
             field_of(with_socket(&format!("{root}/disks/../x.sock"))),
             "vhost_socket"
@@ -1058,7 +1037,7 @@ mod tests {
         // An existing regular file would be unlinked by the frontend.
         assert_eq!(field_of(with_socket(&base.image)), "vhost_socket");
         // A live listener belongs to someone else.
-        let live = tmp.0.join("live.sock");
+        let live = tmp.path().join("live.sock");
         let _listener = UnixListener::bind(&live).unwrap();
         assert!(matches!(
             with_socket(live.to_str().unwrap()),
@@ -1068,7 +1047,7 @@ mod tests {
             })
         ));
         // A stale socket is fine (the frontend replaces it).
-        let stale = tmp.0.join("stale.sock");
+        let stale = tmp.path().join("stale.sock");
         drop(UnixListener::bind(&stale).unwrap());
         assert_eq!(
             with_socket(stale.to_str().unwrap()).unwrap().0.vhost_socket,
@@ -1077,14 +1056,14 @@ mod tests {
         // Relative: under the disks dir; `.` components are dropped.
         assert_eq!(
             with_socket("./vm1.sock").unwrap().0.vhost_socket,
-            tmp.0.join("disks/vm1.sock")
+            tmp.path().join("disks/vm1.sock")
         );
         assert_eq!(
             with_socket(&format!("{root}//./x.sock"))
                 .unwrap()
                 .0
                 .vhost_socket,
-            tmp.0.join("x.sock")
+            tmp.path().join("x.sock")
         );
     }
 
@@ -1092,8 +1071,8 @@ mod tests {
     fn allowed_socket_dirs() {
         let tmp = Tmp::new("allowed");
         let mut c = ctx(&tmp);
-        let allowed = tmp.0.join("vms");
-        let other = tmp.0.join("other");
+        let allowed = tmp.path().join("vms");
+        let other = tmp.path().join("other");
         std::fs::create_dir_all(&allowed).unwrap();
         std::fs::create_dir_all(&other).unwrap();
         c.socket_dirs = vec![allowed.clone()];
@@ -1114,7 +1093,7 @@ mod tests {
     fn allowed_image_dirs() {
         let tmp = Tmp::new("imgdirs");
         let mut c = ctx(&tmp);
-        let allowed = tmp.0.join("images");
+        let allowed = tmp.path().join("images");
         std::fs::create_dir_all(&allowed).unwrap();
         c.image_dirs = vec![allowed.clone()];
         let mut r = request(&tmp);
@@ -1130,7 +1109,7 @@ mod tests {
         // Neither '..' nor a symlink leads out.
         r.image = format!("{}/../disk.img", allowed.display());
         assert_eq!(field_of(check_add(&r, &c)), "image");
-        std::os::unix::fs::symlink(tmp.0.join("disk.img"), allowed.join("link.img")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("disk.img"), allowed.join("link.img")).unwrap();
         r.image = allowed.join("link.img").to_str().unwrap().into();
         assert_eq!(field_of(check_add(&r, &c)), "image");
     }
@@ -1287,10 +1266,10 @@ mod tests {
             (4, 128, 4096, 2)
         );
         assert_eq!(spec.incoming_for.as_deref(), Some("src"));
-        assert_eq!(spec.vhost_socket, tmp.0.join("disks/dst.sock"));
+        assert_eq!(spec.vhost_socket, tmp.path().join("disks/dst.sock"));
         assert_eq!(image_identity(&src.image), Some(identity));
         // The same values spelled out, and the image by another path, are fine too.
-        let link = tmp.0.join("link.img");
+        let link = tmp.path().join("link.img");
         std::os::unix::fs::symlink(&src.image, &link).unwrap();
         let same = AddDiskRequest {
             image: link.to_str().unwrap().into(),
@@ -1328,7 +1307,7 @@ mod tests {
             f(&mut r);
             resolve_incoming(&r, source)
         };
-        let other = tmp.0.join("other.img");
+        let other = tmp.path().join("other.img");
         std::fs::File::create(&other)
             .unwrap()
             .set_len(1 << 20)
@@ -1376,7 +1355,7 @@ mod tests {
         ro.read_only = true;
         assert_eq!(invalid_field(resolve_incoming(&ro, ws)), "read_only");
         // A missing image is check_add's to report (NOT_FOUND), not a mismatch.
-        let missing = with(&|r| r.image = tmp.0.join("gone.img").to_str().unwrap().into());
+        let missing = with(&|r| r.image = tmp.path().join("gone.img").to_str().unwrap().into());
         assert!(missing.is_ok(), "{missing:?}");
         // No such disk; a source that is incoming itself, or already has an incoming disk.
         assert!(matches!(

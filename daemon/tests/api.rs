@@ -371,12 +371,12 @@ impl KillFrontends {
     /// The frontends serving disks of `disks_dir` (by their admin socket; not their
     /// iothread spawners, which share their command line), sorted.
     fn pids(&self) -> Vec<u32> {
-        blkplane_daemon::proc::find_processes_with_arg_prefix(&format!(
+        blkplane_procfs::find_processes_with_arg_prefix(&format!(
             "--admin-socket={}/",
             self.0.display()
         ))
         .into_iter()
-        .filter(|&pid| blkplane_daemon::proc::alive(pid))
+        .filter(|&pid| blkplane_procfs::alive(pid))
         .filter(|&pid| {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .is_ok_and(|comm| comm.trim_end() != "blkplane-spawn")
@@ -495,15 +495,7 @@ impl Node {
 
     /// The file names in the runtime disks directory, sorted.
     fn runtime_files(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(self.disks_dir())
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        blkplane_tests::file_names(&self.disks_dir())
     }
 }
 
@@ -1005,19 +997,6 @@ impl Node {
     }
 }
 
-/// The names of the files in a directory, sorted (none if it does not exist).
-fn file_names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
-
 /// A group file as blkplaned must create it: GROUP_STATE_LEN zero bytes, mode 0600.
 #[track_caller]
 fn assert_fresh_group_file(path: &Path) {
@@ -1056,7 +1035,7 @@ async fn throttle_rules_groups_and_persistence() {
         .permissions()
         .mode();
     assert_eq!(dir_mode & 0o777, 0o700);
-    assert!(file_names(&node.throttle_dir()).is_empty());
+    assert!(blkplane_tests::file_names(&node.throttle_dir()).is_empty());
 
     let with = |f: &dyn Fn(&mut ThrottleLimits)| {
         let mut l = ThrottleLimits::default();
@@ -1182,7 +1161,7 @@ async fn throttle_rules_groups_and_persistence() {
     // Nothing changed: no state, no file, no limits.
     assert_eq!(node.state_text(), before);
     assert!(!before.contains("\"throttle\""), "{before}");
-    assert!(file_names(&node.throttle_dir()).is_empty());
+    assert!(blkplane_tests::file_names(&node.throttle_dir()).is_empty());
     for (id, limits, group, index) in node.throttles().await {
         assert_eq!(
             (limits, group.as_str(), index),
@@ -1207,7 +1186,7 @@ async fn throttle_rules_groups_and_persistence() {
     assert_eq!(t.limits, Some(limits));
     assert!(t.group.is_empty() && t.group_members.is_empty() && t.member_index == 0);
     assert_eq!(node.throttle("a").await, t);
-    assert!(file_names(&node.throttle_dir()).is_empty());
+    assert!(blkplane_tests::file_names(&node.throttle_dir()).is_empty());
     // GetDisk shows the same.
     assert_eq!(node.get("a").await.throttle.unwrap().limits, Some(limits));
 
@@ -1287,7 +1266,10 @@ async fn throttle_rules_groups_and_persistence() {
         "limits.bps_total_max",
     );
     assert_eq!(node.state_text(), before);
-    assert_eq!(file_names(&node.throttle_dir()), ["g.state"]);
+    assert_eq!(
+        blkplane_tests::file_names(&node.throttle_dir()),
+        ["g.state"]
+    );
     assert_eq!(node.throttle("b").await.group, "g");
 
     // An incoming disk takes its source's limits and group, with an index of its own.
@@ -1371,18 +1353,24 @@ async fn throttle_rules_groups_and_persistence() {
         .await
         .expect("RemoveDisk d");
     assert!(!g_file.exists(), "the group file outlived its last member");
-    assert!(file_names(&node.throttle_dir()).is_empty());
+    assert!(blkplane_tests::file_names(&node.throttle_dir()).is_empty());
     let state = node.state_text();
     assert!(!state.contains("\"group\""), "{state}");
     // Moving the last member of one group to another removes the first group's file.
     node.set_throttle("a", iops(1), "x")
         .await
         .expect("a joins x");
-    assert_eq!(file_names(&node.throttle_dir()), ["x.state"]);
+    assert_eq!(
+        blkplane_tests::file_names(&node.throttle_dir()),
+        ["x.state"]
+    );
     node.set_throttle("a", iops(1), "y")
         .await
         .expect("a moves to y");
-    assert_eq!(file_names(&node.throttle_dir()), ["y.state"]);
+    assert_eq!(
+        blkplane_tests::file_names(&node.throttle_dir()),
+        ["y.state"]
+    );
     assert_eq!(node.throttle("a").await.member_index, 0);
 }
 
@@ -1453,7 +1441,10 @@ async fn throttle_group_limits_and_startup_files() {
     // The socket accepts connections before blkplaned has read its state (it is bound first);
     // an answer means the start-up, group files included, is over.
     client.list_disks(ListDisksRequest {}).await.unwrap();
-    assert_eq!(file_names(&tdir), ["full.state", "lonely.state"]);
+    assert_eq!(
+        blkplane_tests::file_names(&tdir),
+        ["full.state", "lonely.state"]
+    );
     assert_eq!(std::fs::read(tdir.join("full.state")).unwrap(), full);
     assert_fresh_group_file(&tdir.join("lonely.state"));
 

@@ -34,7 +34,7 @@ impl Drop for KillFrontends {
 
 fn kill_frontends(disks_dir: &Path) {
     let prefix = format!("--admin-socket={}/", disks_dir.display());
-    for pid in blkplane_daemon::proc::find_processes_with_arg_prefix(&prefix) {
+    for pid in blkplane_procfs::find_processes_with_arg_prefix(&prefix) {
         // SAFETY: plain syscall on a process whose command line names this test's directory.
         unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
     }

@@ -14,28 +14,15 @@ use crate::{binaries, wait_for, TempDir};
 /// How long blkplaned may take to answer, or a disk to reach a state.
 pub const TIMEOUT: Duration = Duration::from_secs(20);
 
-/// The state letter of `pid` (None when it is gone).
-pub fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let close = stat.rfind(')')?;
-    stat[close + 1..].split_whitespace().next()?.chars().next()
-}
-
-/// Whether `pid` is a live process (not a zombie).
-pub fn alive(pid: u32) -> bool {
-    proc_state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X' | 'x'))
-}
+pub use blkplane_procfs::{alive, state as proc_state};
 
 /// The command line of `pid` (empty when it is gone).
 pub fn cmdline(pid: u32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|raw| {
-            raw.split(|&b| b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect()
-        })
+    blkplane_procfs::cmdline(pid)
         .unwrap_or_default()
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
 }
 
 /// The `comm` (name) of `pid`, if it runs.
@@ -47,16 +34,7 @@ pub fn comm(pid: u32) -> Option<String> {
 
 /// Live processes with an argument starting with `prefix`.
 pub fn processes_with_arg_prefix(prefix: &str) -> Vec<u32> {
-    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .filter(|&pid| alive(pid) && cmdline(pid).iter().any(|a| a.starts_with(prefix)))
-                .collect()
-        })
-        .unwrap_or_default();
-    pids.sort_unstable();
-    pids
+    blkplane_procfs::find_processes_with_arg_prefix(prefix)
 }
 
 /// Sends `signal` to `pid`.
@@ -310,15 +288,7 @@ impl Daemon {
 
     /// The names of the files in the runtime disks directory.
     pub fn runtime_files(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(self.disks_dir())
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        crate::file_names(&self.disks_dir())
     }
 }
 

@@ -2,7 +2,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -92,7 +91,7 @@ impl Frontend {
                     self.stderr()
                 ));
             }
-            if is_listening(&self.socket) {
+            if blkplane_procfs::is_listening(&self.socket) {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -256,39 +255,11 @@ fn spawn(args: &[String], stderr: File) -> Result<Child, String> {
         .map_err(|e| format!("spawning {}: {e}", bins.frontend.display()))
 }
 
-/// Whether a UNIX socket is listening at `path`. Read from /proc/net/unix rather than probed
-/// with a connection, so that readiness checks never count as a VMM connecting (which would
-/// tie every test to the reconnect path); falls back to a probe if /proc/net/unix is missing.
-fn is_listening(path: &Path) -> bool {
-    /// `__SO_ACCEPTCON` in the Flags column: the socket is in listen().
-    const ACCEPTCON: u32 = 0x0001_0000;
-    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
-        return UnixStream::connect(path).is_ok();
-    };
-    let want = path.to_string_lossy();
-    table.lines().skip(1).any(|line| {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        cols.len() >= 8
-            && cols[7] == want
-            && u32::from_str_radix(cols[3], 16).is_ok_and(|f| f & ACCEPTCON != 0)
-    })
-}
-
 /// The children of `pid` as (pid, comm, state), from /proc/*/stat (works without
 /// CONFIG_PROC_CHILDREN).
 pub fn children_of(pid: u32) -> Vec<(u32, String, char)> {
     let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in dir.filter_map(|e| e.ok()) {
-        let Some(child) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for child in blkplane_procfs::pids() {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
             continue;
         };

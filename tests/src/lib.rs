@@ -187,6 +187,20 @@ impl Drop for TempDir {
     }
 }
 
+/// The names of the files in `dir`, sorted (none if it does not exist): what a test compares
+/// a runtime directory's listing with.
+pub fn file_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
 /// A tiny xorshift64* PRNG: reproducible test data from a seed without pulling in `rand`.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

@@ -886,9 +886,8 @@ fn processes_in_pid_namespace(pid: u32) -> Vec<(u32, String)> {
 
 /// The processes in the PID namespace `ns` (a /proc/PID/ns/pid link's target): (host pid, exe).
 fn processes_in(ns: &Path) -> Vec<(u32, String)> {
-    let mut out: Vec<(u32, String)> = std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+    let mut out: Vec<(u32, String)> = blkplane_procfs::pids()
+        .into_iter()
         .filter(|p| std::fs::read_link(format!("/proc/{p}/ns/pid")).is_ok_and(|n| n == *ns))
         .map(|p| {
             let exe = std::fs::read_link(format!("/proc/{p}/exe"))

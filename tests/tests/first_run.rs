@@ -106,9 +106,8 @@ impl Drop for FirstRun {
 
 /// Live processes with an argument that contains `text`.
 fn processes_naming(text: &str) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+    blkplane_procfs::pids()
+        .into_iter()
         .filter(|&pid| alive(pid) && cmdline(pid).iter().any(|a| a.contains(text)))
         .collect()
 }

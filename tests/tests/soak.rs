@@ -474,13 +474,7 @@ struct Sample {
 /// (pid → (ppid, comm, state)) of every process.
 fn process_table() -> BTreeMap<u32, (u32, String, char)> {
     let mut out = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in dir.filter_map(|e| e.ok()) {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
+    for pid in blkplane_procfs::pids() {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };

@@ -11,10 +11,11 @@ use log::{info, warn};
 use crate::pb;
 use crate::state::{DiskSpec, ThrottleSetting};
 use crate::supervisor::DiskHandle;
+use crate::sync::lock;
 use crate::throttle::{self, GroupFile};
 use crate::validate::{self, ValidationError};
 
-use super::{lock, Daemon, DaemonError};
+use super::{Daemon, DaemonError};
 
 impl Daemon {
     /// Every disk's I/O limits and throttle group, by id.

@@ -15,15 +15,16 @@ use crate::events::EventBus;
 use crate::frontend;
 use crate::paths::{self, DiskPaths};
 use crate::pb::DiskState;
-use crate::proc;
 use crate::settings::Settings;
 use crate::state::{DirLock, State, StateStore, StoredDisk, ThrottleSetting};
 use crate::supervisor::{DiskHandle, Initial};
+use crate::sync::lock;
 use crate::throttle::{self, GroupFile};
 use crate::validate;
+use blkplane_procfs as proc;
 
 use super::takeover::watch_incoming;
-use super::{lock, Config, Daemon, DaemonError};
+use super::{Config, Daemon, DaemonError};
 
 impl Daemon {
     /// Starts the control plane: creates and locks the directories, reads the desired state,

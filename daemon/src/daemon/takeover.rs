@@ -12,8 +12,9 @@ use crate::migration;
 use crate::pb::EventKind;
 use crate::runtime::serving;
 use crate::supervisor::{DiskHandle, TakeoverWait};
+use crate::sync::lock;
 
-use super::{lock, Daemon, DaemonError};
+use super::{Daemon, DaemonError};
 
 impl Daemon {
     /// The live migration `disk` takes part in, as (source, destination) ids: it is incoming,

@@ -1,6 +1,9 @@
 //! Processes and the kernel's view of them: pidfds (which work for processes that are not our
 //! children, such as frontends adopted after a blkplaned restart), /proc/PID/cmdline, the
-//! listening state of UNIX sockets in /proc/net/unix, and a few device facts.
+//! listening state of UNIX sockets in /proc/net/unix, and a few device facts. Used by blkplaned
+//! and by the end-to-end tests, so that each of these readers exists once.
+
+#![warn(missing_docs)]
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -145,18 +148,25 @@ pub fn alive(pid: u32) -> bool {
     state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X' | 'x'))
 }
 
-/// Pids of every process whose argv satisfies `pred` (a scan of /proc).
-fn find_processes(pred: impl Fn(&[OsString]) -> bool) -> Vec<u32> {
+/// The pid of every process (the numeric entries of /proc), sorted; empty without /proc.
+pub fn pids() -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     let mut pids: Vec<u32> = dir
         .filter_map(|e| e.ok())
         .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()))
-        .filter(|&pid| cmdline(pid).is_some_and(|argv| pred(&argv)))
         .collect();
     pids.sort_unstable();
     pids
+}
+
+/// Pids of every process whose argv satisfies `pred` (a scan of /proc).
+fn find_processes(pred: impl Fn(&[OsString]) -> bool) -> Vec<u32> {
+    pids()
+        .into_iter()
+        .filter(|&pid| cmdline(pid).is_some_and(|argv| pred(&argv)))
+        .collect()
 }
 
 /// Pids of every process whose argv contains `arg` exactly.
