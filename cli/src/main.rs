@@ -41,6 +41,10 @@ struct Args {
     /// Output format.
     #[arg(short = 'o', long = "output", global = true, value_enum, default_value_t = Format::Table)]
     output: Format,
+    /// Seconds to wait for blkplaned to connect and to answer each call (streams: their start).
+    /// The default outlasts the longest wait blkplaned itself has (a drain, 60 s).
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 90.0, value_parser = parse_timeout)]
+    timeout: f64,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -257,13 +261,63 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 
 /// A failed command: the message for stderr.
 #[derive(Debug)]
-struct Failure(String);
+enum Failure {
+    /// Said as it is.
+    Message(String),
+    /// blkplaned's answer, or what the transport made of none ([`Failure::describe`]).
+    Status(tonic::Status),
+}
 
 impl From<tonic::Status> for Failure {
     fn from(s: tonic::Status) -> Self {
-        Failure(format!("{}: {}", output::code_name(s.code()), s.message()))
+        Failure::Status(s)
     }
 }
+
+impl Failure {
+    /// The line for stderr. A call that outlived `--timeout` and a call that got no gRPC answer
+    /// (tonic's "Timeout expired", and statuses its transport made from an error) are said as
+    /// what they are, with `socket` named, instead of `CANCELLED` or `UNKNOWN: transport error`.
+    fn describe(self, socket: &Path, timeout: Duration) -> String {
+        let status = match self {
+            Failure::Message(m) => return m,
+            Failure::Status(s) => s,
+        };
+        if status.code() == tonic::Code::Cancelled && status.message() == "Timeout expired" {
+            return format!(
+                "DEADLINE_EXCEEDED: nothing answered at {} within {timeout:?} (--timeout); a \
+                 change asked for may still happen: check with `blkplanectl disk list`",
+                socket.display()
+            );
+        }
+        // A status with a source was made by this side's transport from an I/O or HTTP/2
+        // error: no gRPC answer came at all.
+        if std::error::Error::source(&status).is_some() {
+            return format!(
+                "no gRPC answer at {} ({}): blkplaned closed the connection, or the socket is \
+                 not blkplaned's (a disk's vhost-user socket?); blkplaned's is \
+                 RUNTIME_DIR/control.sock",
+                socket.display(),
+                status.message()
+            );
+        }
+        format!("{}: {}", output::code_name(status.code()), status.message())
+    }
+}
+
+/// Parses `--timeout`: positive seconds, at most a day.
+fn parse_timeout(s: &str) -> Result<f64, String> {
+    let secs: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if secs > 0.0 && secs <= 86_400.0 {
+        Ok(secs)
+    } else {
+        Err("must be more than 0 and at most 86400 seconds".into())
+    }
+}
+
+/// blkplaned names a disk's admin socket `RUNTIME_DIR/disks/ID.admin` (daemon/README.md): a
+/// `--socket` named so is refused before anything is sent to that frontend.
+const ADMIN_SOCKET_SUFFIX: &str = ".admin";
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -282,10 +336,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    let socket = socket_path(args.socket.clone());
+    let timeout = Duration::from_secs_f64(args.timeout);
+    match runtime.block_on(run(args, &socket, timeout)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Failure(msg)) => {
-            eprintln!("blkplanectl: {msg}");
+        Err(failure) => {
+            eprintln!("blkplanectl: {}", failure.describe(&socket, timeout));
             ExitCode::FAILURE
         }
     }
@@ -301,9 +357,9 @@ fn socket_path(arg: Option<PathBuf>) -> PathBuf {
 /// Kubernetes bounds it too, but a person running it by hand has no such bound).
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
-async fn connect(socket: &Path) -> Result<Channel, Failure> {
+async fn connect(socket: &Path, timeout: Duration) -> Result<Channel, Failure> {
     let unreachable = |e: &dyn std::fmt::Display| {
-        Failure(format!(
+        Failure::Message(format!(
             "cannot reach blkplaned at {}: {e} (is it running? --socket or BLKPLANE_SOCKET \
              name its control socket)",
             socket.display()
@@ -312,9 +368,20 @@ async fn connect(socket: &Path) -> Result<Channel, Failure> {
     if !socket.exists() {
         return Err(unreachable(&"no such socket"));
     }
+    if socket
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().ends_with(ADMIN_SOCKET_SUFFIX))
+    {
+        return Err(Failure::Message(format!(
+            "{} is a disk's admin socket (blkplaned's channel to its frontend), not \
+             blkplaned's: --socket names RUNTIME_DIR/control.sock",
+            socket.display()
+        )));
+    }
     let endpoint = Endpoint::from_shared(format!("unix:{}", socket.display()))
         .map_err(|e| unreachable(&e))?
-        .connect_timeout(Duration::from_secs(5));
+        .connect_timeout(timeout)
+        .timeout(timeout);
     endpoint.connect().await.map_err(|e| unreachable(&e))
 }
 
@@ -328,7 +395,7 @@ async fn health(channel: Channel, service: String, format: Format) -> Result<(),
     let answer = tokio::time::timeout(HEALTH_TIMEOUT, call)
         .await
         .map_err(|_| {
-            Failure(format!(
+            Failure::Message(format!(
                 "DEADLINE_EXCEEDED: blkplaned did not answer the health check within \
                  {HEALTH_TIMEOUT:?}"
             ))
@@ -344,17 +411,18 @@ async fn health(channel: Channel, service: String, format: Format) -> Result<(),
     if answer.status == ServingStatus::Serving as i32 {
         Ok(())
     } else {
-        Err(Failure(format!("service {service:?} is {status}")))
+        Err(Failure::Message(format!("service {service:?} is {status}")))
     }
 }
 
 /// Makes a path absolute against this process's working directory: blkplaned resolves paths
 /// in its own, which is not ours.
 fn absolute(p: &Path) -> Result<String, Failure> {
-    let abs = std::path::absolute(p).map_err(|e| Failure(format!("{}: {e}", p.display())))?;
+    let abs =
+        std::path::absolute(p).map_err(|e| Failure::Message(format!("{}: {e}", p.display())))?;
     abs.into_os_string()
         .into_string()
-        .map_err(|p| Failure(format!("{} is not UTF-8", PathBuf::from(p).display())))
+        .map_err(|p| Failure::Message(format!("{} is not UTF-8", PathBuf::from(p).display())))
 }
 
 fn print_json(v: &Value) {
@@ -385,9 +453,9 @@ fn print_json_line(v: &Value) -> bool {
     writeln!(out, "{v}").and_then(|_| out.flush()).is_ok()
 }
 
-async fn run(args: Args) -> Result<(), Failure> {
+async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure> {
     let format = args.output;
-    let channel = connect(&socket_path(args.socket)).await?;
+    let channel = connect(socket, timeout).await?;
     if let Cmd::Health { service } = args.command {
         return health(channel, service, format).await;
     }
@@ -499,10 +567,18 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
         }
         Cmd::Disk(DiskCmd::Resume { id }) => {
-            client.resume(ResumeDiskRequest { id: id.clone() }).await?;
+            let answer = client
+                .resume(ResumeDiskRequest { id: id.clone() })
+                .await?
+                .into_inner();
             match format {
-                Format::Json => print_json(&json!({ "id": id, "drained": false })),
-                Format::Table => println!("{id}: resumed"),
+                Format::Json => print_json(&json!({
+                    "id": id,
+                    "drained": false,
+                    "was_drained": answer.was_drained,
+                })),
+                Format::Table if answer.was_drained => println!("{id}: resumed"),
+                Format::Table => println!("{id}: was not drained; nothing changed"),
             }
         }
         Cmd::Disk(DiskCmd::Blocker(BlockerCmd::List { id })) => {

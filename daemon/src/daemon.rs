@@ -672,7 +672,7 @@ impl Daemon {
 
     /// Resume: the disk is no longer drained (persisted), and its frontend, if it runs,
     /// serves its rings again. A disk that is not drained is left as it is.
-    pub async fn resume(&self, id: &str) -> Result<(), DaemonError> {
+    pub async fn resume(&self, id: &str) -> Result<bool, DaemonError> {
         let disk = self.get_handle(id)?;
         let _op = disk.lifecycle_op.lock().await;
         let was_drained = disk.runtime().lifecycle.drained;
@@ -695,7 +695,7 @@ impl Daemon {
         if was_drained {
             self.events.emit(EventKind::Resumed, id, rt.pid, "");
         }
-        Ok(())
+        Ok(was_drained)
     }
 
     /// The disk's migration status now.

@@ -156,11 +156,12 @@ impl Control for ControlService {
     ) -> Result<Response<ResumeDiskResponse>, Status> {
         let id = request.into_inner().id;
         info!("Resume {id:?}");
-        self.daemon
+        let was_drained = self
+            .daemon
             .resume(&id)
             .await
             .map_err(|e| logged("Resume", e))?;
-        Ok(Response::new(ResumeDiskResponse {}))
+        Ok(Response::new(ResumeDiskResponse { was_drained }))
     }
 
     async fn add_migration_blocker(

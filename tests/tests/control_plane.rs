@@ -635,6 +635,63 @@ fn completions_and_listen_rules() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach blkplaned"));
 }
 
+/// blkplanectl at a socket that is not blkplaned's, or that never answers: a disk's admin
+/// socket is refused by name before anything is sent, a disk's vhost-user socket is said to give
+/// no gRPC answer (and the disk serves on), and a silent socket ends at `--timeout` with
+/// DEADLINE_EXCEEDED, not a hang.
+#[test]
+fn sockets_that_are_not_blkplaned_and_deadlines() {
+    let d = Daemon::start("cpsock", &[]);
+    let dir = TempDir::new("cpsock-img");
+    let img = create_image(&dir.join("d.img"), 8 * MIB);
+    let disk = add_disk(&d, "d", &img, &[]);
+    let ctl_at = |socket: &Path, extra: &[&str]| {
+        let started = Instant::now();
+        let out = Command::new(&binaries().blkplanectl)
+            .arg("--socket")
+            .arg(socket)
+            .args(extra)
+            .args(["disk", "list"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running blkplanectl");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stderr, started.elapsed())
+    };
+
+    let admin = d.disks_dir().join("d.admin");
+    assert!(admin.exists(), "{}", admin.display());
+    let (code, stderr, _) = ctl_at(&admin, &[]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("is a disk's admin socket"), "{stderr}");
+
+    let vhost = socket_of(&disk);
+    let (code, stderr, _) = ctl_at(&vhost, &["--timeout", "10"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no gRPC answer at") && stderr.contains("vhost-user socket"),
+        "{stderr}"
+    );
+    d.wait_disk("d", "serving after the stray connection", |j| {
+        j.get("state").str() == "ready"
+    });
+
+    // A socket that accepts and never answers.
+    let silent = dir.join("silent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&silent).unwrap();
+    let holder = std::thread::spawn(move || {
+        let held: Vec<_> = listener.incoming().take(1).collect();
+        std::thread::sleep(Duration::from_secs(5));
+        drop(held);
+    });
+    let (code, stderr, took) = ctl_at(&silent, &["--timeout", "1"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("DEADLINE_EXCEEDED"), "{stderr}");
+    assert!(stderr.contains("--timeout"), "{stderr}");
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+    holder.join().unwrap();
+}
+
 /// Two blkplaned on one runtime directory: the second refuses to start and disturbs nothing.
 #[test]
 fn second_daemon_on_the_same_dirs_is_refused() {
@@ -944,12 +1001,18 @@ fn drain_and_resume_under_io() {
         assert!(!again.get("flushed").bool());
 
         // Resume: everything that waited completes, and the I/O goes on.
-        d.ctl_ok(&["disk", "resume", "d"]);
+        let resumed = d.ctl_json(&["disk", "resume", "d"]);
+        assert!(resumed.get("was_drained").bool(), "{resumed:?}");
         watcher.wait("resumed", "d");
         wait_completed(300, "after resume");
         let j = d.wait_disk("d", "resumed", |j| j.get("state").str() == "connected");
         assert!(!j.get("drained").bool());
         assert!(!blocker_reasons(&j).contains(&"draining".to_string()));
+        // Resuming a disk that serves changes nothing, and says so.
+        let again = d.ctl_json(&["disk", "resume", "d"]);
+        assert!(!again.get("was_drained").bool(), "{again:?}");
+        let text = d.ctl_ok(&["disk", "resume", "d"]);
+        assert!(text.contains("was not drained; nothing changed"), "{text}");
         for p in &progress {
             p.stop.store(true, Ordering::SeqCst);
         }
