@@ -37,8 +37,12 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Migrated => "migrated",
         EventKind::BothServing => "both_serving",
         EventKind::IothreadRestarted => "iothread_restarted",
+        EventKind::ThrottleChanged => "throttle_changed",
     }
 }
+
+/// The width of the longest [`kind_name`], so that a column of kinds stays aligned.
+pub const KIND_NAME_WIDTH: usize = 18;
 
 /// The lower-case name of a reason, as blkplanectl prints it and the frontend logs it.
 pub fn reason_name(reason: Reason) -> &'static str {
@@ -115,5 +119,15 @@ mod tests {
             kind_name(EventKind::IothreadRestarted),
             "iothread_restarted"
         );
+    }
+
+    #[test]
+    fn the_kind_column_fits_every_kind() {
+        let widths: Vec<usize> = (0..=i32::from(u8::MAX))
+            .filter_map(|n| EventKind::try_from(n).ok())
+            .map(|k| kind_name(k).len())
+            .collect();
+        assert!(widths.len() > 17, "{widths:?}");
+        assert_eq!(widths.iter().max(), Some(&KIND_NAME_WIDTH));
     }
 }

@@ -11,7 +11,7 @@ use blkplane_proto::v1::{LatencyHistogram, QueueStats, QueueStatus, ResizeDone};
 use serde_json::{json, Value};
 
 use blkplane_api::limits::set_limits;
-use blkplane_api::names::{kind_name, reason_name, state_name};
+use blkplane_api::names::{kind_name, reason_name, state_name, KIND_NAME_WIDTH};
 use blkplane_api::pb::{
     CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind,
     MigrationBlocker, MigrationBlockerReason, MigrationStatus,
@@ -591,7 +591,11 @@ pub fn event_json(e: &Event) -> Value {
 /// An event as one line for people.
 pub fn event_line(e: &Event) -> String {
     let kind = kind_name(EventKind::try_from(e.kind).unwrap_or(EventKind::Unspecified));
-    let mut s = format!("{}  {kind:<12}  {}", format_time(e.unix_time_ms), e.disk_id);
+    let mut s = format!(
+        "{}  {kind:<KIND_NAME_WIDTH$}  {}",
+        format_time(e.unix_time_ms),
+        e.disk_id
+    );
     if e.pid != 0 {
         s.push_str(&format!("  pid {}", e.pid));
     }
@@ -804,7 +808,18 @@ mod tests {
         };
         assert_eq!(
             event_line(&e),
-            "1970-01-01T00:00:00.000Z  restarted     disk0  pid 7  m"
+            "1970-01-01T00:00:00.000Z  restarted           disk0  pid 7  m"
+        );
+        // The longest kind keeps the disk column where the others have it.
+        let long = Event {
+            kind: EventKind::IothreadRestarted as i32,
+            ..e.clone()
+        };
+        assert_eq!(
+            event_line(&long).find("disk0"),
+            event_line(&e).find("disk0"),
+            "{}",
+            event_line(&long)
         );
         assert_eq!(event_json(&e)["kind"], "restarted");
         let s = DiskStatistics {

@@ -314,6 +314,7 @@ fn a_group_shares_its_limits_fairly_between_processes() {
 fn blkplanectl_throttles_a_group_of_disks() {
     use blkplane_tests::daemon::Daemon;
     let d = Daemon::start("throttle-daemon", &[]);
+    let events = blkplane_tests::daemon::Watcher::start(&d);
     let dir = TempDir::new("throttle-images");
     let mut sockets = Vec::new();
     for id in ["a", "b"] {
@@ -332,6 +333,11 @@ fn blkplanectl_throttles_a_group_of_disks() {
     ]);
     let b = d.ctl_json(&["disk", "throttle", "b", "--group", "g"]);
     assert_eq!(b.get("limits").get("iops_total").u64(), 1000, "{b:?}");
+    // Each change is an event of the disks it changed.
+    for id in ["a", "b"] {
+        let e = events.wait("throttle_changed", id);
+        assert!(e.get("message").str().contains("group g"), "{e:?}");
+    }
     let load_a = Load::start(&sockets[0], 4 * KIB, 8);
     let load_b = Load::start(&sockets[1], 4 * KIB, 8);
     assert_shared_fairly("blkplaned group g of 1000", &load_a, &load_b, 1000.0);

@@ -8,7 +8,7 @@ use blkplane_proto::v1::ThrottleLimits;
 use blkplane_throttle::MAX_GROUP_MEMBERS;
 use log::{info, warn};
 
-use crate::pb;
+use crate::pb::{self, EventKind};
 use crate::state::{DiskSpec, ThrottleSetting};
 use crate::supervisor::DiskHandle;
 use crate::sync::lock;
@@ -182,13 +182,16 @@ impl Daemon {
                 return Err(e);
             }
             for (handle, old) in &changed {
-                let new = handle.runtime().lifecycle.throttle;
-                info!(
-                    "disk {}: I/O limits {}{}",
-                    handle.spec.id,
+                let rt = handle.runtime();
+                let new = &rt.lifecycle.throttle;
+                let change = format!(
+                    "{}{}",
                     describe_limits(&new.limits),
-                    describe_group(old, &new)
+                    describe_group(old, new)
                 );
+                info!("disk {}: I/O limits {change}", handle.spec.id);
+                self.events
+                    .emit(EventKind::ThrottleChanged, &handle.spec.id, rt.pid, change);
             }
             if let Some(emptied) = &plan.emptied {
                 self.drop_group_if_empty(emptied);
