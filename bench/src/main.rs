@@ -51,7 +51,7 @@ const BUSY_LOAD: f64 = 0.5;
 /// binary or in --bin-dir), qemu-storage-daemon, and for the ch target a vhost_user_block
 /// binary (--ch-binary).
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(version = blkplane_build_info::VERSION, about, long_about)]
 struct Args {
     /// Measured seconds per run.
     #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]

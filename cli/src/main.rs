@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DrainDiskRequest, GetDiskRequest,
-    GetStatsRequest, GetThrottleRequest, ListDisksRequest, MigrationStatus, RemoveDiskRequest,
-    RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ThrottleConfig,
-    WatchEventsRequest,
+    GetStatsRequest, GetThrottleRequest, GetVersionRequest, ListDisksRequest, MigrationStatus,
+    RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest,
+    ThrottleConfig, WatchEventsRequest,
 };
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
@@ -33,7 +33,7 @@ const DEFAULT_SOCKET: &str = "blkplane-run/control.sock";
 
 /// Command-line client of blkplaned, blkplane's control plane.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(name = "blkplanectl", version = blkplane_build_info::VERSION)]
 struct Args {
     /// blkplaned's control socket [env: BLKPLANE_SOCKET; default: ./blkplane-run/control.sock]
     #[arg(long, global = true, value_name = "PATH")]
@@ -88,6 +88,8 @@ enum Cmd {
         #[arg(long, default_value = "", value_name = "NAME")]
         service: String,
     },
+    /// Print blkplanectl's version and commit, and blkplaned's (asked over the API).
+    Version,
     /// Print a shell completion script.
     Completions {
         /// The shell.
@@ -710,6 +712,22 @@ async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure
                 };
                 if !ok {
                     return Ok(());
+                }
+            }
+        }
+        Cmd::Version => {
+            let daemon = client.get_version(GetVersionRequest {}).await?.into_inner();
+            match format {
+                Format::Json => print_json(&json!({
+                    "blkplanectl": {
+                        "version": blkplane_build_info::PACKAGE_VERSION,
+                        "commit": blkplane_build_info::COMMIT,
+                    },
+                    "blkplaned": { "version": daemon.version, "commit": daemon.commit },
+                })),
+                Format::Table => {
+                    println!("blkplanectl {}", blkplane_build_info::VERSION);
+                    println!("blkplaned   {} (commit {})", daemon.version, daemon.commit);
                 }
             }
         }

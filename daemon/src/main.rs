@@ -38,7 +38,7 @@ const DEFAULT_DISK_SIZE: u64 = 1 << 30;
 /// Without --state-dir and --runtime-dir: ./blkplane-state and ./blkplane-run, and on the
 /// first run a sparse 1 GiB disk "disk0" (image in the state directory).
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(name = "blkplaned", version = blkplane_build_info::VERSION)]
 struct Args {
     /// Where the desired state (state.json) is persisted [default: ./blkplane-state].
     #[arg(long)]

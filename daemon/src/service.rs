@@ -12,10 +12,10 @@ use crate::events::EventStream;
 use crate::pb::control_server::Control;
 use crate::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, Disk, DrainDiskRequest, DrainDiskResponse,
-    GetDiskRequest, GetStatsRequest, GetStatsResponse, GetThrottleRequest, ListDisksRequest,
-    ListDisksResponse, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
+    GetDiskRequest, GetStatsRequest, GetStatsResponse, GetThrottleRequest, GetVersionRequest,
+    ListDisksRequest, ListDisksResponse, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
     RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse,
-    SetThrottleRequest, ThrottleConfig, WatchEventsRequest,
+    SetThrottleRequest, ThrottleConfig, VersionInfo, WatchEventsRequest,
 };
 use crate::validate::ValidationError;
 
@@ -225,6 +225,16 @@ impl Control for ControlService {
             .get_throttle(&id)
             .map_err(|e| logged("GetThrottle", e))?;
         Ok(Response::new(config))
+    }
+
+    async fn get_version(
+        &self,
+        _request: Request<GetVersionRequest>,
+    ) -> Result<Response<VersionInfo>, Status> {
+        Ok(Response::new(VersionInfo {
+            version: blkplane_build_info::PACKAGE_VERSION.to_string(),
+            commit: blkplane_build_info::COMMIT.to_string(),
+        }))
     }
 
     type WatchEventsStream = EventStream;

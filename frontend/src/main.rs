@@ -29,7 +29,7 @@ use blkplane_frontend::{admin, config, session, socket_lock};
 
 /// Serve a disk image to a VMM (QEMU, cloud-hypervisor, libblkio) as a vhost-user-blk device.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version = blkplane_build_info::VERSION, about)]
 struct Args {
     /// UNIX socket to listen on for the VMM (created; a stale file is replaced).
     #[arg(long)]

@@ -33,7 +33,7 @@ use blkplane_iothread::image::{Image, ImageError};
 /// Spawned by a frontend, never by hand. Logs to stderr; set RUST_LOG (e.g. RUST_LOG=debug)
 /// to change the level.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version = blkplane_build_info::VERSION, about)]
 struct Args {
     /// The inherited control socket: a connected SOCK_SEQPACKET UNIX socket whose peer is the
     /// frontend. The iothread exits when the peer closes it.

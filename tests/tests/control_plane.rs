@@ -692,6 +692,59 @@ fn sockets_that_are_not_blkplaned_and_deadlines() {
     holder.join().unwrap();
 }
 
+/// Every binary's --version names the commit it was built from (the checkout's HEAD), and
+/// `blkplanectl version` shows blkplaned's beside its own.
+#[test]
+fn every_binary_names_its_commit() {
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let bins = binaries();
+    let mut commits = Vec::new();
+    for bin in [
+        &bins.frontend,
+        &bins.iothread,
+        &bins.blkplaned,
+        &bins.blkplanectl,
+    ] {
+        let out = Command::new(bin).arg("--version").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{}: {text}", bin.display());
+        let commit = text
+            .split("(commit ")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .unwrap_or_else(|| panic!("{}: no commit in {text:?}", bin.display()))
+            .to_string();
+        match &head {
+            Some(head) => assert!(commit.starts_with(head.as_str()), "{text} vs HEAD {head}"),
+            None => assert_eq!(commit, "unknown", "{text}"),
+        }
+        commits.push(commit);
+    }
+    assert!(commits.windows(2).all(|w| w[0] == w[1]), "{commits:?}");
+    let d = Daemon::start("cpver", &[]);
+    let v = d.ctl_json(&["version"]);
+    assert_eq!(v.get("blkplaned").get("commit").str(), commits[0], "{v:?}");
+    assert_eq!(
+        v.get("blkplanectl").get("commit").str(),
+        commits[0],
+        "{v:?}"
+    );
+    assert_eq!(
+        v.get("blkplaned").get("version").str(),
+        env!("CARGO_PKG_VERSION"),
+        "{v:?}"
+    );
+    let text = d.ctl_ok(&["version"]);
+    assert!(text.starts_with("blkplanectl "), "{text}");
+    assert!(text.contains("\nblkplaned   "), "{text}");
+}
+
 /// Two blkplaned on one runtime directory: the second refuses to start and disturbs nothing.
 #[test]
 fn second_daemon_on_the_same_dirs_is_refused() {
