@@ -59,6 +59,18 @@ pub fn reason_name(reason: Reason) -> &'static str {
     }
 }
 
+/// Every migration-blocker reason (not `Unspecified`), in the API's order.
+pub const BLOCKER_REASONS: [Reason; 8] = [
+    Reason::Draining,
+    Reason::FrontendRestarting,
+    Reason::IothreadRestarted,
+    Reason::Incoming,
+    Reason::UnsupportedFeature,
+    Reason::OperatorBackup,
+    Reason::OperatorMaintenance,
+    Reason::OperatorOther,
+];
+
 /// A reason given on blkplanectl's command line: its name (`operator_backup`), the operator
 /// names without the prefix (`backup`, `maintenance`, `other`), the .proto name
 /// (`MIGRATION_BLOCKER_REASON_OPERATOR_BACKUP`), or a number, which is passed on as it is
@@ -71,17 +83,8 @@ pub fn parse_reason(text: &str) -> Option<i32> {
     let name = lower
         .strip_prefix("migration_blocker_reason_")
         .unwrap_or(&lower);
-    let all = [
-        Reason::Draining,
-        Reason::FrontendRestarting,
-        Reason::IothreadRestarted,
-        Reason::Incoming,
-        Reason::UnsupportedFeature,
-        Reason::OperatorBackup,
-        Reason::OperatorMaintenance,
-        Reason::OperatorOther,
-    ];
-    all.into_iter()
+    BLOCKER_REASONS
+        .into_iter()
         .find(|r| {
             let full = reason_name(*r);
             full == name || full.strip_prefix("operator_") == Some(name)

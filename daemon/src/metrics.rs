@@ -122,16 +122,7 @@ const STATES: [DiskState; 7] = [
 ];
 
 /// The blocker reasons as series of `blkplane_disk_migration_blockers`, in the API's order.
-const REASONS: [Reason; 8] = [
-    Reason::Draining,
-    Reason::FrontendRestarting,
-    Reason::IothreadRestarted,
-    Reason::Incoming,
-    Reason::UnsupportedFeature,
-    Reason::OperatorBackup,
-    Reason::OperatorMaintenance,
-    Reason::OperatorOther,
-];
+const REASONS: [Reason; 8] = blkplane_api::names::BLOCKER_REASONS;
 
 /// Reads the daemon's view of every disk and, all at once, each running frontend's
 /// statistics (each bounded by [`STATS_TIMEOUT`]).
