@@ -1,9 +1,9 @@
 //! The disk table and the operations on it, below the gRPC layer: adding (validate, start,
 //! persist), removing (check, persist, stop), reading, resizing, statistics, draining and
-//! resuming, and migration blockers. Its child modules hold the rest of the daemon's jobs:
-//! [`startup`] (directories, locks, orphan sweep, adoption), [`takeover`] (the takeover of an
-//! incoming disk from its live-migration source) and [`limits`] (I/O limits and throttle
-//! groups).
+//! resuming. Its child modules hold the rest of the daemon's jobs: [`blockers`] (migration
+//! blockers), [`startup`] (directories, locks, orphan sweep, adoption), [`takeover`] (the
+//! takeover of an incoming disk from its live-migration source) and [`limits`] (I/O limits and
+//! throttle groups).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,21 +18,21 @@ use thiserror::Error;
 use crate::admin::{self, AdminError};
 use crate::events::EventBus;
 use crate::frontend;
-use crate::migration::{self, from_operator};
+use crate::migration::{self};
 use crate::paths::DiskPaths;
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
 use crate::runtime::serving;
 use crate::settings::{RestartPolicy, Settings};
 use crate::state::{
-    DirLock, DiskLifecycle, DiskSpec, OperatorBlocker, RunAsSpec, State, StateError, StateStore,
-    StoredDisk,
+    DirLock, DiskLifecycle, DiskSpec, RunAsSpec, State, StateError, StateStore, StoredDisk,
 };
 use crate::supervisor::{DiskHandle, Initial};
 use crate::sync::lock;
 use crate::throttle;
 use crate::validate::{self, ValidationError};
-use blkplane_api::names::{reason_name, state_name};
+use blkplane_api::names::state_name;
 
+mod blockers;
 mod limits;
 mod startup;
 mod takeover;
@@ -696,76 +696,6 @@ impl Daemon {
             self.events.emit(EventKind::Resumed, id, rt.pid, "");
         }
         Ok(was_drained)
-    }
-
-    /// The disk's migration status now.
-    fn migration_status(&self, disk: &DiskHandle) -> pb::MigrationStatus {
-        let blockers = disk.refresh_migration();
-        pb::MigrationStatus {
-            id: disk.spec.id.clone(),
-            migratable: blockers.is_empty(),
-            blockers,
-        }
-    }
-
-    /// AddMigrationBlocker: an operator blocker with `reason` (replacing the message of one
-    /// the disk has already), persisted, and sent to the frontend.
-    pub async fn add_migration_blocker(
-        &self,
-        id: &str,
-        reason: i32,
-        message: &str,
-    ) -> Result<pb::MigrationStatus, DaemonError> {
-        let disk = self.get_handle(id)?;
-        let reason = validate::check_operator_reason(reason)?;
-        validate::check_blocker_message(message)?;
-        let now = blkplane_api::time::unix_time_ms();
-        self.change_lifecycle(&disk, |l| {
-            match l.migration_blockers.iter_mut().find(|b| b.reason == reason) {
-                Some(b) if b.message == message => {}
-                Some(b) => {
-                    b.message = message.to_string();
-                    b.since_unix_ms = now;
-                }
-                None => l.migration_blockers.push(OperatorBlocker {
-                    reason,
-                    message: message.to_string(),
-                    since_unix_ms: now,
-                }),
-            }
-        })
-        .await?;
-        disk.push_blockers().await;
-        Ok(self.migration_status(&disk))
-    }
-
-    /// RemoveMigrationBlocker: the operator blocker with `reason` goes; NOT_FOUND if there is
-    /// none.
-    pub async fn remove_migration_blocker(
-        &self,
-        id: &str,
-        reason: i32,
-    ) -> Result<pb::MigrationStatus, DaemonError> {
-        let disk = self.get_handle(id)?;
-        let reason = validate::check_operator_reason(reason)?;
-        if !disk
-            .runtime()
-            .lifecycle
-            .migration_blockers
-            .iter()
-            .any(|b| b.reason == reason)
-        {
-            return Err(DaemonError::NoSuchBlocker {
-                id: id.to_string(),
-                reason: reason_name(from_operator(reason)),
-            });
-        }
-        self.change_lifecycle(&disk, |l| {
-            l.migration_blockers.retain(|b| b.reason != reason)
-        })
-        .await?;
-        disk.push_blockers().await;
-        Ok(self.migration_status(&disk))
     }
 
     /// Waits until no disk is starting or restarting (or `timeout` passed); returns the

@@ -93,11 +93,43 @@ struct Args {
     /// port, logged at start). Off by default.
     #[arg(long, value_name = "ADDR:PORT")]
     metrics_listen: Option<SocketAddr>,
+    /// How log lines are written to stderr: text for people, or json (one object per line:
+    /// time, level, target, message) for log collectors. RUST_LOG sets the level (default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// The forms of blkplaned's log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// env_logger's lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Sets up the logger: RUST_LOG's filter (default info), lines in `format`.
+fn init_logging(format: LogFormat) {
+    let mut builder =
+        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    if format == LogFormat::Json {
+        builder.format(|buf, record| {
+            use std::io::Write as _;
+            let line = serde_json::json!({
+                "time": blkplane_api::time::format_time(blkplane_api::time::unix_time_ms()),
+                "level": record.level().as_str(),
+                "target": record.target(),
+                "message": record.args().to_string(),
+            });
+            writeln!(buf, "{line}")
+        });
+    }
+    builder.init();
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let args = Args::parse();
+    init_logging(args.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -238,9 +270,19 @@ async fn run(args: Args) -> Result<(), String> {
     };
     let banner_daemon = daemon.clone();
     let banner_listen = listen.clone();
+    let log_format = args.log_format;
     tokio::spawn(async move {
         let disks = banner_daemon.settle(Duration::from_secs(30)).await;
-        print_banner(&api, &banner_listen, &disks);
+        let text = banner(&api, &banner_listen, &disks);
+        match log_format {
+            LogFormat::Text => {
+                use std::io::Write;
+                print!("{text}");
+                let _ = std::io::stdout().flush();
+            }
+            // A collector wants nothing but records: the banner is one.
+            LogFormat::Json => info!("{}", text.trim_end()),
+        }
     });
 
     let shutdown = async {
@@ -290,12 +332,13 @@ fn ctl_command() -> String {
     }
 }
 
-/// Prints (stdout) how to attach each disk to QEMU and how to look at it with blkplanectl.
+/// How to attach each disk to QEMU and how to look at it with blkplanectl (printed on stdout,
+/// or logged as one record with `--log-format json`).
 ///
 /// The QEMU line is the README's: with `reconnect-ms`, QEMU reconnects to a restarted
 /// frontend and resubmits what was in flight, which is what makes a frontend crash invisible
 /// to the guest; a line without it would silently lose that.
-fn print_banner(api: &str, listen: &Listen, disks: &[Disk]) {
+fn banner(api: &str, listen: &Listen, disks: &[Disk]) -> String {
     let ctl = match listen {
         Listen::Unix(p) => format!("{} --socket {}", ctl_command(), p.display()),
         // blkplanectl speaks to a UNIX socket; over TCP use a gRPC client with certificates.
@@ -328,7 +371,5 @@ fn print_banner(api: &str, listen: &Listen, disks: &[Disk]) {
             q = c.num_queues,
         ));
     }
-    print!("{out}");
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
+    out
 }

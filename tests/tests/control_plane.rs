@@ -745,6 +745,39 @@ fn every_binary_names_its_commit() {
     assert!(text.contains("\nblkplaned   "), "{text}");
 }
 
+/// `blkplaned --log-format json`: every line it writes is one JSON object with the time, the
+/// level, the target and the message.
+#[test]
+fn blkplaned_logs_json_lines_for_collectors() {
+    let d = Daemon::start("cpjson", &["--log-format", "json"]);
+    let dir = TempDir::new("cpjson-img");
+    let img = create_image(&dir.join("j.img"), 8 * MIB);
+    add_disk(&d, "j", &img, &[]);
+    d.ctl_ok(&["disk", "remove", "j"]);
+    let text = d.log_text();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() >= 3, "{text}");
+    for line in &lines {
+        assert!(
+            line.starts_with('{') && line.ends_with('}'),
+            "not JSON: {line}"
+        );
+        let j = Json::parse(line);
+        assert!(j.get("time").str().ends_with('Z'), "{line}");
+        assert!(
+            ["ERROR", "WARN", "INFO", "DEBUG", "TRACE"].contains(&j.get("level").str()),
+            "{line}"
+        );
+        assert!(!j.get("target").str().is_empty(), "{line}");
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| Json::parse(l).get("message").str().contains("AddDisk")),
+        "{text}"
+    );
+}
+
 /// Two blkplaned on one runtime directory: the second refuses to start and disturbs nothing.
 #[test]
 fn second_daemon_on_the_same_dirs_is_refused() {
