@@ -1,5 +1,6 @@
 //! The lower-case names of the API's enums, as blkplanectl prints them, blkplaned uses them in
-//! metrics labels and logs, and the frontend is sent them in blocker lines.
+//! metrics labels and logs, and the frontend is sent them in blocker lines; and the admin
+//! socket's suffix, which both sides rely on.
 
 use crate::pb::{DiskState, EventKind, MigrationBlockerReason as Reason};
 
@@ -40,6 +41,10 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::ThrottleChanged => "throttle_changed",
     }
 }
+
+/// The suffix of a disk's admin socket, `RUNTIME_DIR/disks/ID.admin`: blkplaned names it so, and
+/// blkplanectl refuses a `--socket` named so before sending anything to that frontend.
+pub const ADMIN_SOCKET_SUFFIX: &str = ".admin";
 
 /// The width of the longest [`kind_name`], so that a column of kinds stays aligned.
 pub const KIND_NAME_WIDTH: usize = 18;

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use blkplane_api::names::ADMIN_SOCKET_SUFFIX;
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DrainDiskRequest, GetDiskRequest,
@@ -254,11 +255,21 @@ enum CacheArg {
     Writethrough,
 }
 
-fn parse_interval(s: &str) -> Result<f64, String> {
+/// Parses a number of seconds that `allowed` (said as `allowed_text`) accepts.
+fn parse_seconds(
+    s: &str,
+    allowed: impl Fn(f64) -> bool,
+    allowed_text: &str,
+) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if (0.05..=3600.0).contains(&v) => Ok(v),
-        _ => Err(format!("{s:?} is not a number of seconds in 0.05..=3600")),
+        Ok(v) if allowed(v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds {allowed_text}")),
     }
+}
+
+/// Parses `stats --interval`.
+fn parse_interval(s: &str) -> Result<f64, String> {
+    parse_seconds(s, |v| (0.05..=3600.0).contains(&v), "in 0.05..=3600")
 }
 
 /// A failed command: the message for stderr.
@@ -307,19 +318,14 @@ impl Failure {
     }
 }
 
-/// Parses `--timeout`: positive seconds, at most a day.
+/// Parses `--timeout`: more than 0 seconds, at most a day.
 fn parse_timeout(s: &str) -> Result<f64, String> {
-    let secs: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    if secs > 0.0 && secs <= 86_400.0 {
-        Ok(secs)
-    } else {
-        Err("must be more than 0 and at most 86400 seconds".into())
-    }
+    parse_seconds(
+        s,
+        |v| v > 0.0 && v <= 86_400.0,
+        "more than 0 and at most 86400",
+    )
 }
-
-/// blkplaned names a disk's admin socket `RUNTIME_DIR/disks/ID.admin` (daemon/README.md): a
-/// `--socket` named so is refused before anything is sent to that frontend.
-const ADMIN_SOCKET_SUFFIX: &str = ".admin";
 
 fn main() -> ExitCode {
     let args = Args::parse();

@@ -20,7 +20,7 @@ pub struct DiskPaths {
 }
 
 /// Suffix of a disk's admin socket in `RUNTIME_DIR/disks` (after the disk id).
-pub const ADMIN_SUFFIX: &str = ".admin";
+pub const ADMIN_SUFFIX: &str = blkplane_api::names::ADMIN_SOCKET_SUFFIX;
 /// Suffix of a disk's pid file.
 pub const PID_SUFFIX: &str = ".pid";
 /// Suffix of a pid file being written.

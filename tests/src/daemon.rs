@@ -14,7 +14,9 @@ use crate::{binaries, wait_for, TempDir};
 /// How long blkplaned may take to answer, or a disk to reach a state.
 pub const TIMEOUT: Duration = Duration::from_secs(20);
 
-pub use blkplane_procfs::{alive, state as proc_state};
+pub use blkplane_procfs::{
+    alive, find_processes_with_arg_prefix as processes_with_arg_prefix, state as proc_state,
+};
 
 /// The command line of `pid` (empty when it is gone).
 pub fn cmdline(pid: u32) -> Vec<String> {
@@ -30,11 +32,6 @@ pub fn comm(pid: u32) -> Option<String> {
     std::fs::read_to_string(format!("/proc/{pid}/comm"))
         .ok()
         .map(|c| c.trim_end().to_string())
-}
-
-/// Live processes with an argument starting with `prefix`.
-pub fn processes_with_arg_prefix(prefix: &str) -> Vec<u32> {
-    blkplane_procfs::find_processes_with_arg_prefix(prefix)
 }
 
 /// Sends `signal` to `pid`.
