@@ -8,12 +8,14 @@
 //! | [`pb`] | the generated service and messages, and the descriptor set reflection serves |
 //! | [`names`] | lower-case names of disk states, event kinds and migration-blocker reasons |
 //! | [`limits`] | the fields of `ThrottleLimits` by QEMU's names |
+//! | [`settings`] | the optional `settings` of AddDiskRequest and DiskConfig, filled in or read |
 //! | [`time`] | wall-clock times as the API carries them (Unix milliseconds) and prints them |
 
 #![warn(missing_docs)]
 
 pub mod limits;
 pub mod names;
+pub mod settings;
 pub mod time;
 
 /// gRPC service and messages of `blkplane/v1/control.proto` (package `blkplane.v1`). The

@@ -197,10 +197,12 @@ impl ThrottleArgs {
             return None;
         }
         let mut limits = ThrottleLimits::default();
-        // Same order as LIMIT_FIELDS (the .proto's), which the unit test checks by name.
+        // Same order as LIMIT_FIELDS (the .proto's), which the unit test checks by name. A
+        // bucket none of whose numbers is given stays absent (the same as all zero).
         for (name, value) in LIMIT_FIELDS.iter().zip(given) {
+            let Some(value) = value else { continue };
             if let Some(field) = limit_mut(&mut limits, name) {
-                *field = value.unwrap_or(0);
+                *field = value;
             }
         }
         Some(limits)
@@ -298,8 +300,12 @@ mod tests {
         .unwrap();
         let l = a.limits().unwrap();
         assert_eq!(
-            (l.iops_total, l.iops_total_max, l.bps_read),
-            (500, 1000, 1 << 20)
+            set_limits(&l),
+            [
+                ("bps_read", 1 << 20),
+                ("iops_total", 500),
+                ("iops_total_max", 1000)
+            ]
         );
         assert_eq!(
             parse(&["--iops-size", "4k"])
@@ -335,19 +341,13 @@ mod tests {
         }
         let current = ThrottleConfig {
             id: "d".into(),
-            limits: Some(ThrottleLimits {
-                iops_total: 100,
-                ..Default::default()
-            }),
+            limits: Some(blkplane_api::limits::named(&[("iops_total", 100)]).unwrap()),
             group: "g".into(),
             group_members: vec!["d".into(), "e".into()],
             member_index: 1,
             pending: vec![],
         };
-        let iops = |n| ThrottleLimits {
-            iops_total: n,
-            ..Default::default()
-        };
+        let iops = |n| blkplane_api::limits::named(&[("iops_total", n)]).unwrap();
         // Clear: no limits, no group.
         let r = clear.request(&current, None);
         assert_eq!(
@@ -362,10 +362,7 @@ mod tests {
         assert_eq!(r.group, "g");
         assert_eq!(
             r.limits,
-            Some(ThrottleLimits {
-                bps_total: 5,
-                ..Default::default()
-            })
+            Some(blkplane_api::limits::named(&[("bps_total", 5)]).unwrap())
         );
         // Joining another group without limits: that group's limits, not zero.
         let join = parse(&["--group", "h"]).unwrap();

@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 use blkplane_api::names::ADMIN_SOCKET_SUFFIX;
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
-    AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DrainDiskRequest, GetDiskRequest,
-    GetStatsRequest, GetThrottleRequest, GetVersionRequest, ListDisksRequest, MigrationStatus,
-    RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest,
-    ThrottleConfig, WatchEventsRequest,
+    AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
+    GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ListDisksRequest,
+    MigrationStatus, RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest,
+    ResumeDiskRequest, ThrottleConfig, WatchEventsRequest,
 };
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
@@ -470,8 +470,7 @@ async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure
     let mut client = ControlClient::new(channel);
     match args.command {
         Cmd::Disk(DiskCmd::Add(a)) => {
-            let req = AddDiskRequest {
-                id: a.id,
+            let settings = DiskSettings {
                 image: match a.image {
                     Some(p) => absolute(&p)?,
                     None => String::new(),
@@ -493,13 +492,17 @@ async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure
                     Some(p) => absolute(&p)?,
                     None => String::new(),
                 },
-                incoming_for: a.incoming_for.unwrap_or_default(),
                 run_as: a.run_as.map(|r| blkplane_api::pb::RunAs {
                     uid: r.uid,
                     gid: r.gid,
                     groups: r.groups,
                 }),
                 poll_max_us: a.poll_max_us,
+            };
+            let req = AddDiskRequest {
+                id: a.id,
+                settings: Some(settings),
+                incoming_for: a.incoming_for.unwrap_or_default(),
             };
             let disk = client.add_disk(req).await?.into_inner();
             match format {

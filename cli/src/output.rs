@@ -139,6 +139,7 @@ fn queue_status_json(q: &QueueStatus) -> Value {
 /// A disk as JSON.
 pub fn disk_json(d: &Disk) -> Value {
     let c = d.config.clone().unwrap_or_default();
+    let s = c.settings_or_default();
     json!({
         "id": c.id,
         "state": disk_state(d),
@@ -156,19 +157,19 @@ pub fn disk_json(d: &Disk) -> Value {
         "migratable": d.migratable,
         "migration_blockers": d.migration_blockers.iter().map(blocker_json).collect::<Vec<_>>(),
         "config": {
-            "image": c.image,
-            "read_only": c.read_only,
-            "serial": c.serial,
-            "num_queues": c.num_queues,
-            "queue_size": c.queue_size,
-            "block_size": c.block_size,
-            "iothreads": c.iothreads,
-            "cache": cache_name(c.cache),
-            "iothread_cpus": c.iothread_cpus,
-            "poll_max_us": c.poll_max_us,
-            "vhost_socket": c.vhost_socket,
+            "image": s.image,
+            "read_only": s.read_only,
+            "serial": s.serial,
+            "num_queues": s.num_queues,
+            "queue_size": s.queue_size,
+            "block_size": s.block_size,
+            "iothreads": s.iothreads,
+            "cache": cache_name(s.cache),
+            "iothread_cpus": s.iothread_cpus,
+            "poll_max_us": s.poll_max_us,
+            "vhost_socket": s.vhost_socket,
             "incoming_for": c.incoming_for,
-            "run_as": c.run_as.as_ref().map(|r| json!({
+            "run_as": s.run_as.as_ref().map(|r| json!({
                 "uid": r.uid,
                 "gid": r.gid,
                 "groups": r.groups,
@@ -199,6 +200,7 @@ pub fn disks_table(disks: &[Disk]) -> String {
         .iter()
         .map(|d| {
             let c = d.config.clone().unwrap_or_default();
+            let s = c.settings_or_default();
             let mut row = vec![
                 c.id,
                 disk_state(d).into(),
@@ -209,7 +211,7 @@ pub fn disks_table(disks: &[Disk]) -> String {
                 } else {
                     format_bytes(d.capacity_bytes)
                 },
-                c.num_queues.to_string(),
+                s.num_queues.to_string(),
                 d.restarts.to_string(),
                 yes_no(d.migratable).into(),
             ];
@@ -220,7 +222,7 @@ pub fn disks_table(disks: &[Disk]) -> String {
                     c.incoming_for
                 });
             }
-            row.push(c.vhost_socket);
+            row.push(s.vhost_socket);
             row
         })
         .collect();
@@ -244,6 +246,7 @@ pub fn disks_table(disks: &[Disk]) -> String {
 /// `disk show` for people.
 pub fn disk_detail(d: &Disk) -> String {
     let c = d.config.clone().unwrap_or_default();
+    let s = c.settings_or_default();
     let mut rows: Vec<(&str, String)> = vec![("id", c.id.clone()), ("state", disk_state(d).into())];
     if !d.state_reason.is_empty() {
         rows.push(("reason", d.state_reason.clone()));
@@ -262,8 +265,8 @@ pub fn disk_detail(d: &Disk) -> String {
             "vmm connected",
             if d.vmm_connected { "yes" } else { "no" }.into(),
         ),
-        ("vhost socket", c.vhost_socket.clone()),
-        ("image", c.image.clone()),
+        ("vhost socket", s.vhost_socket.clone()),
+        ("image", s.image.clone()),
         (
             "capacity",
             format!(
@@ -272,26 +275,26 @@ pub fn disk_detail(d: &Disk) -> String {
                 format_bytes(d.capacity_bytes)
             ),
         ),
-        ("read-only", if c.read_only { "yes" } else { "no" }.into()),
-        ("serial", c.serial.clone()),
+        ("read-only", if s.read_only { "yes" } else { "no" }.into()),
+        ("serial", s.serial.clone()),
         (
             "queues",
-            format!("{} × {} descriptors", c.num_queues, c.queue_size),
+            format!("{} × {} descriptors", s.num_queues, s.queue_size),
         ),
-        ("block size", c.block_size.to_string()),
-        ("iothreads", c.iothreads.to_string()),
-        ("cache", cache_name(c.cache).into()),
+        ("block size", s.block_size.to_string()),
+        ("iothreads", s.iothreads.to_string()),
+        ("cache", cache_name(s.cache).into()),
         (
             "iothread cpus",
-            if c.iothread_cpus.is_empty() {
+            if s.iothread_cpus.is_empty() {
                 "any".into()
             } else {
-                c.iothread_cpus.clone()
+                s.iothread_cpus.clone()
             },
         ),
         (
             "poll max",
-            match c.poll_max_us {
+            match s.poll_max_us {
                 None => "the frontend's default".into(),
                 Some(0) => "off".into(),
                 Some(us) => format!("{us} µs"),
@@ -299,7 +302,7 @@ pub fn disk_detail(d: &Disk) -> String {
         ),
         (
             "run as",
-            match &c.run_as {
+            match &s.run_as {
                 None => "blkplaned's user".into(),
                 Some(r) if r.groups.is_empty() => format!("uid {} gid {}", r.uid, r.gid),
                 Some(r) => format!(
@@ -614,7 +617,7 @@ pub fn resize_json(id: &str, r: &ResizeDone) -> Value {
 mod tests {
     use super::*;
     use crate::limits::throttle_detail;
-    use blkplane_api::pb::{DiskConfig, ThrottleConfig};
+    use blkplane_api::pb::{DiskConfig, DiskSettings, ThrottleConfig};
     use blkplane_proto::v1::ThrottleLimits;
 
     #[test]
@@ -634,12 +637,14 @@ mod tests {
     fn throttle_output() {
         let t = ThrottleConfig {
             id: "d".into(),
-            limits: Some(ThrottleLimits {
-                iops_total: 100,
-                bps_read_max_length: 0,
-                bps_write: 4096,
-                ..Default::default()
-            }),
+            limits: Some(
+                blkplane_api::limits::named(&[
+                    ("iops_total", 100),
+                    ("bps_read_max_length", 0),
+                    ("bps_write", 4096),
+                ])
+                .unwrap(),
+            ),
             group: "g".into(),
             group_members: vec!["d".into(), "e".into()],
             member_index: 1,
@@ -716,8 +721,11 @@ mod tests {
         let d = Disk {
             config: Some(DiskConfig {
                 id: "disk0".into(),
-                num_queues: 2,
-                vhost_socket: "/run/disk0.sock".into(),
+                settings: Some(DiskSettings {
+                    num_queues: 2,
+                    vhost_socket: "/run/disk0.sock".into(),
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             state: DiskState::Connected as i32,
@@ -765,8 +773,8 @@ mod tests {
         assert_eq!(j["config"]["run_as"], Value::Null);
         assert!(disk_detail(&d).contains("\nrun as:             blkplaned's user\n"));
         let mut own_user = d.clone();
-        if let Some(c) = own_user.config.as_mut() {
-            c.run_as = Some(blkplane_api::pb::RunAs {
+        if let Some(s) = own_user.config.as_mut().and_then(|c| c.settings.as_mut()) {
+            s.run_as = Some(blkplane_api::pb::RunAs {
                 uid: 107,
                 gid: 107,
                 groups: vec![36, 995],

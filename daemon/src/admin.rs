@@ -366,14 +366,17 @@ mod tests {
 
     #[tokio::test]
     async fn set_throttle_round_trip() {
-        use blkplane_proto::v1::{ThrottleLimits, ThrottleSet};
+        use blkplane_proto::v1::ThrottleSet;
         let path = socket_path("throttle");
         let listener = UnixListener::bind(&path).unwrap();
         let server = tokio::spawn(serve_once(listener, |req| {
             let Some(frontend_request::Request::SetThrottle(t)) = req.request else {
                 panic!("not a SetThrottle")
             };
-            assert_eq!(t.limits.unwrap().iops_total, 100);
+            assert_eq!(
+                blkplane_api::limits::limit(&t.limits.unwrap(), "iops_total"),
+                Some(100)
+            );
             assert!(t.group_state_path.ends_with(".state"));
             assert_eq!(t.member_index, 2);
             framed(frontend_response::Response::ThrottleSet(ThrottleSet {}))
@@ -383,10 +386,7 @@ mod tests {
         let group = socket_path("throttle-group").with_extension("state");
         File::create(&group).unwrap();
         let request = |path: &Path| SetThrottle {
-            limits: Some(ThrottleLimits {
-                iops_total: 100,
-                ..Default::default()
-            }),
+            limits: Some(blkplane_api::limits::named(&[("iops_total", 100)]).unwrap()),
             group_state_path: path.to_string_lossy().into_owned(),
             member_index: 2,
         };

@@ -256,7 +256,7 @@ impl Daemon {
         for own in [self.store.path(), self.state_dir.join(".lock")] {
             if validate::image_identity(&own) == Some(identity) {
                 return Err(ValidationError::Invalid {
-                    field: "image",
+                    field: "settings.image",
                     reason: format!("{} is blkplaned's own file", spec.image.display()),
                 });
             }
@@ -265,7 +265,7 @@ impl Daemon {
         for reserved in own.own_files() {
             if spec.vhost_socket == reserved {
                 return Err(ValidationError::Invalid {
-                    field: "vhost_socket",
+                    field: "settings.vhost_socket",
                     reason: format!("{} is reserved for blkplaned's own use", reserved.display()),
                 });
             }
@@ -292,7 +292,7 @@ impl Daemon {
             let is_source = spec.incoming_for.as_deref() == Some(other.spec.id.as_str());
             if !is_source && validate::image_identity(&other.spec.image) == Some(identity) {
                 return Err(ValidationError::AlreadyExists {
-                    field: "image",
+                    field: "settings.image",
                     reason: format!(
                         "{} is already served by disk {}",
                         spec.image.display(),
@@ -307,7 +307,7 @@ impl Daemon {
                     .contains(&spec.vhost_socket.as_path())
             {
                 return Err(ValidationError::AlreadyExists {
-                    field: "vhost_socket",
+                    field: "settings.vhost_socket",
                     reason: format!(
                         "{} is already used by disk {}",
                         spec.vhost_socket.display(),

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use blkplane_daemon::daemon::{Config, Daemon};
 use blkplane_daemon::metrics;
-use blkplane_daemon::pb::{AddDiskRequest, Disk};
+use blkplane_daemon::pb::{AddDiskRequest, Disk, DiskSettings};
 use blkplane_daemon::server::{self, ApiHealth, Listen};
 use blkplane_daemon::settings::RestartPolicy;
 use blkplane_daemon::state::{RunAsSpec, StateStore};
@@ -71,7 +71,7 @@ struct Args {
     #[arg(long = "image-dir", value_name = "DIR")]
     image_dirs: Vec<PathBuf>,
     /// The user, group and supplementary groups (numeric) of every disk whose configuration
-    /// names none (AddDiskRequest `run_as`), including disks added before. Needs CAP_SETUID,
+    /// names none (DiskSettings `run_as`), including disks added before. Needs CAP_SETUID,
     /// CAP_SETGID, CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_KILL (root). Without it such disks run
     /// as blkplaned's own user.
     #[arg(long, value_name = "UID:GID[:GROUP,...]")]
@@ -248,7 +248,10 @@ async fn run(args: Args) -> Result<(), String> {
         daemon
             .add_disk(AddDiskRequest {
                 id: DEFAULT_DISK.into(),
-                image,
+                settings: Some(DiskSettings {
+                    image,
+                    ..Default::default()
+                }),
                 ..Default::default()
             })
             .await
@@ -352,6 +355,7 @@ fn banner(api: &str, listen: &Listen, disks: &[Disk]) -> String {
     }
     for d in disks {
         let c = d.config.clone().unwrap_or_default();
+        let settings = c.settings.unwrap_or_default();
         out.push_str(&format!(
             "\nDisk {} ({}, {} bytes) is served on {}\nAttach it to QEMU with:\n  \
              qemu-system-x86_64 -machine q35,memory-backend=mem -m 2G \\\n    \
@@ -365,10 +369,10 @@ fn banner(api: &str, listen: &Listen, disks: &[Disk]) -> String {
                     .unwrap_or(blkplane_daemon::pb::DiskState::Unspecified)
             ),
             d.capacity_bytes,
-            c.vhost_socket,
+            settings.vhost_socket,
             id = c.id,
-            sock = c.vhost_socket,
-            q = c.num_queues,
+            sock = settings.vhost_socket,
+            q = settings.num_queues,
         ));
     }
     out

@@ -69,12 +69,13 @@ fn logged(call: &str, e: DaemonError) -> Status {
 impl Control for ControlService {
     async fn add_disk(&self, request: Request<AddDiskRequest>) -> Result<Response<Disk>, Status> {
         let req = request.into_inner();
+        let image = req.settings.as_ref().map_or("", |s| s.image.as_str());
         if req.incoming_for.is_empty() {
-            info!("AddDisk {:?} image {:?}", req.id, req.image);
+            info!("AddDisk {:?} image {image:?}", req.id);
         } else {
             info!(
-                "AddDisk {:?} image {:?} incoming for {:?}",
-                req.id, req.image, req.incoming_for
+                "AddDisk {:?} image {image:?} incoming for {:?}",
+                req.id, req.incoming_for
             );
         }
         let disk = self

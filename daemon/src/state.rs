@@ -133,10 +133,10 @@ pub struct DiskSpec {
     /// over (then `None`). Absent in files written before live migration existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incoming_for: Option<String>,
-    /// The user the disk's processes run as (AddDiskRequest `run_as`); `None`: blkplaned's.
+    /// The user the disk's processes run as (DiskSettings `run_as`); `None`: blkplaned's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as: Option<RunAsSpec>,
-    /// The bound of the frontend's adaptive polling in µs (AddDiskRequest `poll_max_us`);
+    /// The bound of the frontend's adaptive polling in µs (DiskSettings `poll_max_us`);
     /// `None`: the frontend's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_max_us: Option<u32>,
@@ -171,6 +171,14 @@ impl DiskSpec {
     pub fn to_pb(&self) -> pb::DiskConfig {
         pb::DiskConfig {
             id: self.id.clone(),
+            settings: Some(self.settings()),
+            incoming_for: self.incoming_for.clone().unwrap_or_default(),
+        }
+    }
+
+    /// The settings part of [`DiskSpec::to_pb`].
+    fn settings(&self) -> pb::DiskSettings {
+        pb::DiskSettings {
             image: self.image.to_string_lossy().into_owned(),
             read_only: self.read_only,
             serial: self.serial.clone(),
@@ -181,7 +189,6 @@ impl DiskSpec {
             cache: self.cache.to_pb() as i32,
             iothread_cpus: self.iothread_cpus.clone(),
             vhost_socket: self.vhost_socket.to_string_lossy().into_owned(),
-            incoming_for: self.incoming_for.clone().unwrap_or_default(),
             run_as: self.run_as.as_ref().map(|r| pb::RunAs {
                 uid: r.uid,
                 gid: r.gid,
@@ -447,11 +454,7 @@ mod tests {
             l: ThrottleLimits,
         }
         let w = W {
-            l: ThrottleLimits {
-                bps_read: 7,
-                iops_size: 4096,
-                ..Default::default()
-            },
+            l: blkplane_api::limits::named(&[("bps_read", 7), ("iops_size", 4096)]).unwrap(),
         };
         let text = serde_json::to_string(&w).unwrap();
         assert_eq!(text, r#"{"l":{"bps_read":7,"iops_size":4096}}"#);
@@ -611,9 +614,17 @@ mod tests {
         let text = std::fs::read_to_string(store.path()).unwrap();
         // Written for that disk only; a file without it reads as blkplaned's user.
         assert_eq!(text.matches("run_as").count(), 1, "{text}");
-        let shown = state.disks[1].spec.to_pb().run_as.unwrap();
+        let shown = state.disks[1]
+            .spec
+            .to_pb()
+            .settings_or_default()
+            .run_as
+            .unwrap();
         assert_eq!((shown.uid, shown.gid, shown.groups), (107, 107, vec![36]));
-        assert_eq!(state.disks[0].spec.to_pb().run_as, None);
+        assert_eq!(
+            state.disks[0].spec.to_pb().settings_or_default().run_as,
+            None
+        );
     }
 
     #[test]
@@ -623,11 +634,8 @@ mod tests {
         let store = StateStore::new(&dir);
         let mut a = stored("a");
         a.lifecycle.throttle = ThrottleSetting {
-            limits: ThrottleLimits {
-                iops_total: 500,
-                bps_read: 1 << 20,
-                ..Default::default()
-            },
+            limits: blkplane_api::limits::named(&[("iops_total", 500), ("bps_read", 1 << 20)])
+                .unwrap(),
             group: "g".into(),
             member_index: 3,
         };

@@ -299,10 +299,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     fn iops(n: u64) -> ThrottleLimits {
-        ThrottleLimits {
-            iops_total: n,
-            ..Default::default()
-        }
+        blkplane_api::limits::named(&[("iops_total", n)]).unwrap()
     }
 
     fn member(group: &str, index: u32, limits: ThrottleLimits) -> ThrottleSetting {

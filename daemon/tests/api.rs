@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use blkplane_daemon::pb::control_client::ControlClient;
-use blkplane_daemon::pb::ListDisksRequest;
+use blkplane_daemon::pb::{DiskSettings, ListDisksRequest};
 use tokio_stream::StreamExt;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -540,18 +540,21 @@ async fn incoming_disk_rules_and_persistence() {
     let a = node
         .add(AddDiskRequest {
             id: "a".into(),
-            image: path_str(&img),
-            serial: "SER-A".into(),
-            num_queues: 2,
-            queue_size: 128,
-            block_size: 4096,
-            iothreads: 2,
+            settings: Some(DiskSettings {
+                image: path_str(&img),
+                serial: "SER-A".into(),
+                num_queues: 2,
+                queue_size: 128,
+                block_size: 4096,
+                iothreads: 2,
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await
         .expect("AddDisk a");
     let a_pid = a.frontend_pid;
-    let a_socket = a.config.clone().unwrap().vhost_socket;
+    let a_socket = a.config.clone().unwrap().settings_or_default().vhost_socket;
     assert!(a.config.as_ref().unwrap().incoming_for.is_empty());
 
     let incoming = |f: &dyn Fn(&mut AddDiskRequest)| {
@@ -585,67 +588,70 @@ async fn incoming_disk_rules_and_persistence() {
         ),
         (
             "another image",
-            incoming(&|r| r.image = path_str(&other)),
+            incoming(&|r| r.settings_mut().image = path_str(&other)),
             Code::InvalidArgument,
-            "image",
+            "settings.image",
         ),
         (
             "a missing image",
-            incoming(&|r| r.image = missing.clone()),
+            incoming(&|r| r.settings_mut().image = missing.clone()),
             Code::NotFound,
-            "image",
+            "settings.image",
         ),
         (
             "read-only on a writable source",
-            incoming(&|r| r.read_only = true),
+            incoming(&|r| r.settings_mut().read_only = true),
             Code::InvalidArgument,
-            "read_only",
+            "settings.read_only",
         ),
         (
             "another serial",
-            incoming(&|r| r.serial = "SER-B".into()),
+            incoming(&|r| r.settings_mut().serial = "SER-B".into()),
             Code::InvalidArgument,
-            "serial",
+            "settings.serial",
         ),
         (
             "other queues",
-            incoming(&|r| r.num_queues = 1),
+            incoming(&|r| r.settings_mut().num_queues = 1),
             Code::InvalidArgument,
-            "num_queues",
+            "settings.num_queues",
         ),
         (
             "another queue size",
-            incoming(&|r| r.queue_size = 256),
+            incoming(&|r| r.settings_mut().queue_size = 256),
             Code::InvalidArgument,
-            "queue_size",
+            "settings.queue_size",
         ),
         (
             "another block size",
-            incoming(&|r| r.block_size = 512),
+            incoming(&|r| r.settings_mut().block_size = 512),
             Code::InvalidArgument,
-            "block_size",
+            "settings.block_size",
         ),
         (
             "more iothreads than the source's queues",
-            incoming(&|r| r.iothreads = 3),
+            incoming(&|r| r.settings_mut().iothreads = 3),
             Code::InvalidArgument,
-            "iothreads",
+            "settings.iothreads",
         ),
         (
             "the source's socket",
-            incoming(&|r| r.vhost_socket = a_socket.clone()),
+            incoming(&|r| r.settings_mut().vhost_socket = a_socket.clone()),
             Code::AlreadyExists,
-            "vhost_socket",
+            "settings.vhost_socket",
         ),
         (
             "an ordinary disk on the source's image (only the pair is exempt)",
             AddDiskRequest {
                 id: "c".into(),
-                image: path_str(&link),
+                settings: Some(DiskSettings {
+                    image: path_str(&link),
+                    ..Default::default()
+                }),
                 ..Default::default()
             },
             Code::AlreadyExists,
-            "image",
+            "settings.image",
         ),
     ];
     for (what, req, code, field) in cases {
@@ -665,15 +671,16 @@ async fn incoming_disk_rules_and_persistence() {
     // own iothreads and cache.
     let b = node
         .add(incoming(&|r| {
-            r.image = path_str(&link);
-            r.iothreads = 2;
-            r.cache = CacheMode::Writeback as i32;
+            r.settings_mut().image = path_str(&link);
+            r.settings_mut().iothreads = 2;
+            r.settings_mut().cache = CacheMode::Writeback as i32;
         }))
         .await
         .expect("AddDisk b incoming for a");
     let b_pid = b.frontend_pid;
-    let c = b.config.clone().unwrap();
-    assert_eq!(c.incoming_for, "a");
+    let config = b.config.clone().unwrap();
+    assert_eq!(config.incoming_for, "a");
+    let c = config.settings_or_default();
     assert_eq!(c.image, path_str(&link));
     assert_eq!(
         (
@@ -726,7 +733,10 @@ async fn incoming_disk_rules_and_persistence() {
     let r = node
         .add(AddDiskRequest {
             id: "c".into(),
-            image: path_str(&img),
+            settings: Some(DiskSettings {
+                image: path_str(&img),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await;
@@ -734,7 +744,7 @@ async fn incoming_disk_rules_and_persistence() {
         "an ordinary disk on the image",
         r,
         Code::AlreadyExists,
-        "image",
+        "settings.image",
     );
     // Neither side may be resized while the migration is under way.
     for id in ["a", "b"] {
@@ -822,7 +832,10 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     let other = blkplane_tests::create_image(&node.path("other.img"), 8 * MIB);
     node.add(AddDiskRequest {
         id: "a".into(),
-        image: path_str(&img),
+        settings: Some(DiskSettings {
+            image: path_str(&img),
+            ..Default::default()
+        }),
         ..Default::default()
     })
     .await
@@ -846,7 +859,10 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     let r = node
         .add(AddDiskRequest {
             id: "a".into(),
-            image: path_str(&other),
+            settings: Some(DiskSettings {
+                image: path_str(&other),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await;
@@ -863,7 +879,10 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     let r = node
         .add(AddDiskRequest {
             id: "a".into(),
-            image: path_str(&other),
+            settings: Some(DiskSettings {
+                image: path_str(&other),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await;
@@ -881,7 +900,7 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
         .expect("WatchEvents")
         .into_inner();
     // A VMM that runs b's ring: the migrated VM.
-    let socket = PathBuf::from(b.config.unwrap().vhost_socket);
+    let socket = PathBuf::from(b.config.unwrap().settings_or_default().vhost_socket);
     let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
     vmm.queue(0)
         .write_at(0, &blkplane_tests::pattern(3, 4096))
@@ -917,7 +936,10 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     // The name is free again.
     node.add(AddDiskRequest {
         id: "a".into(),
-        image: path_str(&other),
+        settings: Some(DiskSettings {
+            image: path_str(&other),
+            ..Default::default()
+        }),
         ..Default::default()
     })
     .await
@@ -935,10 +957,7 @@ use blkplane_throttle::{GROUP_STATE_LEN, MAX_GROUP_MEMBERS};
 use std::os::unix::fs::PermissionsExt;
 
 fn iops(n: u64) -> ThrottleLimits {
-    ThrottleLimits {
-        iops_total: n,
-        ..Default::default()
-    }
+    blkplane_api::limits::named(&[("iops_total", n)]).unwrap()
 }
 
 impl Node {
@@ -989,7 +1008,10 @@ impl Node {
         let img = blkplane_tests::create_image(&self.path(&format!("{id}.img")), 8 * MIB);
         self.add(AddDiskRequest {
             id: id.into(),
-            image: path_str(&img),
+            settings: Some(DiskSettings {
+                image: path_str(&img),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await
@@ -1049,26 +1071,26 @@ async fn throttle_rules_groups_and_persistence() {
         (
             "a burst without its average",
             "a",
-            with(&|l| l.iops_total_max = 10),
+            with(&|l| *blkplane_api::limits::limit_mut(l, "iops_total_max").unwrap() = 10),
             "",
             Code::InvalidArgument,
-            "limits.iops_total_max",
+            "limits.iops_total.max",
         ),
         (
             "a total with a read limit",
             "a",
             with(&|l| {
-                l.bps_total = 10;
-                l.bps_read = 5
+                *blkplane_api::limits::limit_mut(l, "bps_total").unwrap() = 10;
+                *blkplane_api::limits::limit_mut(l, "bps_read").unwrap() = 5
             }),
             "",
             Code::InvalidArgument,
-            "limits.bps_read",
+            "limits.bps_read.avg",
         ),
         (
             "iops_size without an iops limit",
             "a",
-            with(&|l| l.iops_size = 4096),
+            with(&|l| *blkplane_api::limits::limit_mut(l, "iops_size").unwrap() = 4096),
             "",
             Code::InvalidArgument,
             "limits.iops_size",
@@ -1077,43 +1099,45 @@ async fn throttle_rules_groups_and_persistence() {
             "a burst below its average",
             "a",
             with(&|l| {
-                l.bps_write = 100;
-                l.bps_write_max = 50
+                *blkplane_api::limits::limit_mut(l, "bps_write").unwrap() = 100;
+                *blkplane_api::limits::limit_mut(l, "bps_write_max").unwrap() = 50
             }),
             "",
             Code::InvalidArgument,
-            "limits.bps_write_max",
+            "limits.bps_write.max",
         ),
         (
             "a burst length without a burst",
             "a",
             with(&|l| {
-                l.iops_read = 10;
-                l.iops_read_max_length = 5
+                *blkplane_api::limits::limit_mut(l, "iops_read").unwrap() = 10;
+                *blkplane_api::limits::limit_mut(l, "iops_read_max_length").unwrap() = 5
             }),
             "",
             Code::InvalidArgument,
-            "limits.iops_read_max_length",
+            "limits.iops_read.max_length",
         ),
         (
             "a rate above 1e15",
             "a",
-            with(&|l| l.bps_total = 1_000_000_000_000_001),
+            with(&|l| {
+                *blkplane_api::limits::limit_mut(l, "bps_total").unwrap() = 1_000_000_000_000_001
+            }),
             "",
             Code::InvalidArgument,
-            "limits.bps_total",
+            "limits.bps_total.avg",
         ),
         (
             "a burst length above UINT_MAX",
             "a",
             with(&|l| {
-                l.iops_total = 1;
-                l.iops_total_max = 2;
-                l.iops_total_max_length = 1 << 32
+                *blkplane_api::limits::limit_mut(l, "iops_total").unwrap() = 1;
+                *blkplane_api::limits::limit_mut(l, "iops_total_max").unwrap() = 2;
+                *blkplane_api::limits::limit_mut(l, "iops_total_max_length").unwrap() = 1 << 32
             }),
             "",
             Code::InvalidArgument,
-            "limits.iops_total_max_length",
+            "limits.iops_total.max_length",
         ),
         (
             "a hidden group",
@@ -1142,10 +1166,10 @@ async fn throttle_rules_groups_and_persistence() {
         (
             "bad limits with a new group",
             "a",
-            with(&|l| l.iops_write_max = 1),
+            with(&|l| *blkplane_api::limits::limit_mut(l, "iops_write_max").unwrap() = 1),
             "new",
             Code::InvalidArgument,
-            "limits.iops_write_max",
+            "limits.iops_write.max",
         ),
     ];
     let before = node.state_text();
@@ -1172,11 +1196,11 @@ async fn throttle_rules_groups_and_persistence() {
 
     // Limits of its own: no group, no file.
     let limits = with(&|l| {
-        l.iops_total = 100;
-        l.iops_total_max = 200;
-        l.iops_total_max_length = 5;
-        l.bps_read = 1 << 20;
-        l.iops_size = 8192;
+        *blkplane_api::limits::limit_mut(l, "iops_total").unwrap() = 100;
+        *blkplane_api::limits::limit_mut(l, "iops_total_max").unwrap() = 200;
+        *blkplane_api::limits::limit_mut(l, "iops_total_max_length").unwrap() = 5;
+        *blkplane_api::limits::limit_mut(l, "bps_read").unwrap() = 1 << 20;
+        *blkplane_api::limits::limit_mut(l, "iops_size").unwrap() = 8192;
     });
     let t = node
         .set_throttle("a", limits, "")
@@ -1257,13 +1281,17 @@ async fn throttle_rules_groups_and_persistence() {
     // A refusal with a group changes nothing either (no file for the new group).
     let before = node.state_text();
     let r = node
-        .set_throttle("b", with(&|l| l.bps_total_max = 1), "h")
+        .set_throttle(
+            "b",
+            with(&|l| *blkplane_api::limits::limit_mut(l, "bps_total_max").unwrap() = 1),
+            "h",
+        )
         .await;
     assert_refused(
         "bad limits",
         r,
         Code::InvalidArgument,
-        "limits.bps_total_max",
+        "limits.bps_total.max",
     );
     assert_eq!(node.state_text(), before);
     assert_eq!(
@@ -1527,7 +1555,7 @@ async fn frontend_takes_the_limits() {
     let mut node = Node::start("thrfe").await;
     let a = node.add_plain("a").await;
     node.add_plain("b").await;
-    let socket = PathBuf::from(a.config.unwrap().vhost_socket);
+    let socket = PathBuf::from(a.config.unwrap().settings_or_default().vhost_socket);
 
     // 20 operations per second: QEMU's buckets let a tenth of a second (2) through at once,
     // so 30 reads take at least 1.3 s.

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use blkplane_daemon::pb::control_client::ControlClient;
-use blkplane_daemon::pb::AddDiskRequest;
+use blkplane_daemon::pb::{AddDiskRequest, DiskSettings};
 use tonic::transport::{Channel, Endpoint};
 
 /// Bound of every wait.
@@ -556,10 +556,13 @@ async fn metrics_of_two_disks_and_health() {
     let a = api
         .add_disk(AddDiskRequest {
             id: "a".into(),
-            image: img_a.to_str().unwrap().into(),
-            num_queues: 2,
-            iothreads: 2,
-            block_size: 4096,
+            settings: Some(DiskSettings {
+                image: img_a.to_str().unwrap().into(),
+                num_queues: 2,
+                iothreads: 2,
+                block_size: 4096,
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await
@@ -567,14 +570,17 @@ async fn metrics_of_two_disks_and_health() {
         .into_inner();
     api.add_disk(AddDiskRequest {
         id: "b".into(),
-        image: img_b.to_str().unwrap().into(),
+        settings: Some(DiskSettings {
+            image: img_b.to_str().unwrap().into(),
+            ..Default::default()
+        }),
         ..Default::default()
     })
     .await
     .expect("AddDisk b");
 
     // I/O on a: 4 writes and a flush on queue 0, 3 reads on queue 1.
-    let vmm_socket = PathBuf::from(a.config.unwrap().vhost_socket);
+    let vmm_socket = PathBuf::from(a.config.unwrap().settings_or_default().vhost_socket);
     let mut vmm = blkplane_tests::Client::connect_with(
         &vmm_socket,
         &blkplane_tests::ClientOptions {
@@ -749,7 +755,10 @@ async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
         let img = blkplane_tests::create_image(&dir.path().join("a.img"), 8 * MIB);
         api.add_disk(AddDiskRequest {
             id: "a".into(),
-            image: img.to_str().unwrap().into(),
+            settings: Some(DiskSettings {
+                image: img.to_str().unwrap().into(),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await

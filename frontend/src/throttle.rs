@@ -35,11 +35,17 @@ const GROUP_RECHECK_NS: u64 = 20_000_000;
 /// A member that may not go yet looks again after at least this long.
 const MIN_RECHECK_NS: u64 = 200_000;
 
+/// A broken rule as blkplaned names it, by the request's field: `limits.iops_total.max: …`.
+fn limits_message(e: &LimitsError) -> String {
+    let (field, reason) = blkplane_throttle::wire::api_error(e);
+    format!("{field}: {reason}")
+}
+
 /// Why a SetThrottle could not be applied (nothing changed then).
 #[derive(Debug, thiserror::Error)]
 pub enum ThrottleError {
     /// The limits break one of QEMU's rules.
-    #[error("limits.{0}")]
+    #[error("{}", limits_message(.0))]
     Limits(#[from] LimitsError),
     /// The member index is not below the group size limit.
     #[error("member_index: {0} is not below {MAX_GROUP_MEMBERS}")]
@@ -406,21 +412,17 @@ mod tests {
     #[test]
     fn invalid_limits_name_the_field() {
         let e = DiskThrottle::from_request(
-            &request(v1::ThrottleLimits {
-                iops_total: 100,
-                iops_total_max: 50,
-                ..Default::default()
-            }),
+            &request(
+                blkplane_throttle::wire::named(&[("iops_total", 100), ("iops_total_max", 50)])
+                    .unwrap(),
+            ),
             None,
         )
         .unwrap_err();
-        assert!(e.to_string().starts_with("limits.iops_total_max: "), "{e}");
+        assert!(e.to_string().starts_with("limits.iops_total.max: "), "{e}");
         let e = DiskThrottle::from_request(
             &v1::SetThrottle {
-                limits: Some(v1::ThrottleLimits {
-                    iops_total: 100,
-                    ..Default::default()
-                }),
+                limits: Some(blkplane_throttle::wire::named(&[("iops_total", 100)]).unwrap()),
                 group_state_path: "/run/blkplane/throttle/g.state".into(),
                 member_index: 0,
             },
@@ -437,10 +439,7 @@ mod tests {
     #[test]
     fn requests_queue_in_order_and_go_when_the_bucket_has_room() {
         let limits = DiskThrottle::from_request(
-            &request(v1::ThrottleLimits {
-                iops_read: 100,
-                ..Default::default()
-            }),
+            &request(blkplane_throttle::wire::named(&[("iops_read", 100)]).unwrap()),
             None,
         )
         .unwrap();
@@ -501,10 +500,7 @@ mod tests {
             let file = File::options().read(true).write(true).open(&path).unwrap();
             DiskThrottle::from_request(
                 &v1::SetThrottle {
-                    limits: Some(v1::ThrottleLimits {
-                        iops_total: 1000,
-                        ..Default::default()
-                    }),
+                    limits: Some(blkplane_throttle::wire::named(&[("iops_total", 1000)]).unwrap()),
                     group_state_path: path.to_str().unwrap().into(),
                     member_index: index,
                 },
@@ -544,10 +540,7 @@ mod tests {
         let not_a_group_file = |member_index| {
             DiskThrottle::from_request(
                 &v1::SetThrottle {
-                    limits: Some(v1::ThrottleLimits {
-                        iops_total: 1,
-                        ..Default::default()
-                    }),
+                    limits: Some(blkplane_throttle::wire::named(&[("iops_total", 1)]).unwrap()),
                     group_state_path: "/dev/null".into(),
                     member_index,
                 },

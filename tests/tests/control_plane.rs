@@ -406,65 +406,85 @@ fn bad_input_is_refused_without_leftovers() {
         (vec![".hidden", "--image", other], "INVALID_ARGUMENT", "id"),
         (vec![&long_id, "--image", other], "INVALID_ARGUMENT", "id"),
         (vec!["good", "--image", other], "ALREADY_EXISTS", "id"),
-        (vec!["n1", "--image", &missing], "NOT_FOUND", "image"),
-        (vec!["n2", "--image", &dirpath], "INVALID_ARGUMENT", "image"),
-        (vec!["n3", "--image", &tiny], "INVALID_ARGUMENT", "image"),
-        (vec!["n4", "--image", &goodp], "ALREADY_EXISTS", "image"),
-        (vec!["n5", "--image", &linkp], "ALREADY_EXISTS", "image"),
+        (
+            vec!["n1", "--image", &missing],
+            "NOT_FOUND",
+            "settings.image",
+        ),
+        (
+            vec!["n2", "--image", &dirpath],
+            "INVALID_ARGUMENT",
+            "settings.image",
+        ),
+        (
+            vec!["n3", "--image", &tiny],
+            "INVALID_ARGUMENT",
+            "settings.image",
+        ),
+        (
+            vec!["n4", "--image", &goodp],
+            "ALREADY_EXISTS",
+            "settings.image",
+        ),
+        (
+            vec!["n5", "--image", &linkp],
+            "ALREADY_EXISTS",
+            "settings.image",
+        ),
         (
             vec!["n5b", "--image", &state_file],
             "INVALID_ARGUMENT",
-            "image",
+            "settings.image",
         ),
         (
             vec!["n6", "--image", other, "--vhost-socket", &good_sock],
             "ALREADY_EXISTS",
-            "vhost_socket",
+            "settings.vhost_socket",
         ),
         (
             vec!["n7", "--image", other, "--vhost-socket", &traversal],
             "INVALID_ARGUMENT",
-            "vhost_socket",
+            "settings.vhost_socket",
         ),
         (
             vec!["n8", "--image", other, "--vhost-socket", other],
             "INVALID_ARGUMENT",
-            "vhost_socket",
+            "settings.vhost_socket",
         ),
         (
             vec!["n9", "--image", other, "--vhost-socket", &nodir],
             "NOT_FOUND",
-            "vhost_socket",
+            "settings.vhost_socket",
         ),
         (
             vec!["n10", "--image", other, "--vhost-socket", &long_sock],
             "INVALID_ARGUMENT",
-            "vhost_socket",
+            "settings.vhost_socket",
         ),
         (
             vec!["n11", "--image", other, "--num-queues", "257"],
             "INVALID_ARGUMENT",
-            "num_queues",
+            "settings.num_queues",
         ),
         (
             vec!["n12", "--image", other, "--queue-size", "3"],
             "INVALID_ARGUMENT",
-            "queue_size",
+            "settings.queue_size",
         ),
         (
             vec!["n13", "--image", other, "--queue-size", "65536"],
             "INVALID_ARGUMENT",
-            "queue_size",
+            "settings.queue_size",
         ),
         (
             vec!["n14", "--image", other, "--block-size", "1024"],
             "INVALID_ARGUMENT",
-            "block_size",
+            "settings.block_size",
         ),
         (
             vec!["n15", "--image", other, "--iothreads", "2"],
             "INVALID_ARGUMENT",
-            "iothreads",
+            "settings.iothreads",
         ),
         (
             vec![
@@ -477,22 +497,22 @@ fn bad_input_is_refused_without_leftovers() {
                 "5",
             ],
             "INVALID_ARGUMENT",
-            "iothreads",
+            "settings.iothreads",
         ),
         (
             vec!["n17", "--image", other, "--serial", "123456789012345678901"],
             "INVALID_ARGUMENT",
-            "serial",
+            "settings.serial",
         ),
         (
             vec!["n18", "--image", other, "--iothread-cpus", "0-x"],
             "INVALID_ARGUMENT",
-            "iothread_cpus",
+            "settings.iothread_cpus",
         ),
         (
             vec!["n19", "--image", other, "--iothread-cpus", "99999"],
             "INVALID_ARGUMENT",
-            "iothread_cpus",
+            "settings.iothread_cpus",
         ),
     ];
     for (args, code, field) in &cases {

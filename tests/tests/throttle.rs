@@ -168,10 +168,7 @@ fn assert_shared_fairly(what: &str, a: &Load, b: &Load, total: f64) {
 }
 
 fn iops(avg: u64) -> ThrottleLimits {
-    ThrottleLimits {
-        iops_total: avg,
-        ..Default::default()
-    }
+    blkplane_throttle::wire::named(&[("iops_total", avg)]).unwrap()
 }
 
 #[test]
@@ -241,10 +238,7 @@ fn limits_hold_change_live_and_clear() {
     let load = Load::start(fe.socket(), 128 * KIB, 4);
     set_throttle(
         &admin,
-        ThrottleLimits {
-            bps_total: 20 * MIB,
-            ..Default::default()
-        },
+        blkplane_throttle::wire::named(&[("bps_total", 20 * MIB)]).unwrap(),
         None,
     );
     let set = Instant::now();
@@ -267,12 +261,12 @@ fn a_burst_goes_at_the_max_rate_then_settles_at_the_average() {
     // Set before any I/O: the buckets start empty.
     set_throttle(
         &admin,
-        ThrottleLimits {
-            iops_total: 1000,
-            iops_total_max: 2000,
-            iops_total_max_length: 2,
-            ..Default::default()
-        },
+        blkplane_throttle::wire::named(&[
+            ("iops_total", 1000),
+            ("iops_total_max", 2000),
+            ("iops_total_max_length", 2),
+        ])
+        .unwrap(),
         None,
     );
     let load = Load::start(fe.socket(), 4 * KIB, 8);

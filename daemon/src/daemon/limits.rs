@@ -144,7 +144,7 @@ impl Daemon {
         let (disk, targets) = {
             let _ops = self.ops.lock().await;
             let disk = self.get_handle(id)?;
-            validate::check_limits(&limits)?;
+            let limits = validate::check_limits(&limits)?;
             if !group.is_empty() {
                 validate::check_group(group)?;
             }

@@ -200,10 +200,11 @@ pub(super) fn prepare_throttle(store: &StateStore, state: &mut State, throttle_d
             }
         }
         // Its frontend would refuse them (and serve unthrottled): say so, once.
-        if let Err(e) = validate::check_limits(&s.limits) {
-            error!(
+        match validate::check_limits(&s.limits) {
+            Ok(limits) => s.limits = limits,
+            Err(e) => error!(
                 "disk {id}: the stored I/O limits are invalid ({e}); its frontend will refuse them"
-            );
+            ),
         }
     }
     notes.extend(throttle::repair_indices(&mut settings));

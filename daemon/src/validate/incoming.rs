@@ -1,0 +1,391 @@
+//! An incoming disk (AddDiskRequest `incoming_for`) against its migration source: the source
+//! must exist and may be migrated now, and what the guest sees is the source's.
+
+use std::path::Path;
+
+use super::disk::image_identity;
+use super::{check_id_in, invalid, ValidationError};
+use crate::pb::AddDiskRequest;
+use crate::state::DiskSpec;
+
+/// The source disk of an incoming disk, as [`resolve_incoming`] needs to see it.
+#[derive(Debug, Clone, Copy)]
+pub struct MigrationSource<'a> {
+    /// Its configuration now; its `incoming_for` says whether it is itself still incoming.
+    pub spec: &'a DiskSpec,
+    /// The id of the disk that already is its incoming destination, if there is one.
+    pub incoming: Option<&'a str>,
+    /// Its migration blockers now, one `reason: message` line each.
+    pub blockers: &'a [String],
+}
+
+/// Checks `incoming_for` of an AddDisk request against the disk it names (`source`: `None`
+/// when no disk has that id) and returns the request with the fields the guest sees taken
+/// from the source where the request leaves them zero or empty: the image, `read_only`,
+/// `serial`, `num_queues`, `queue_size`, `block_size`. A value the request does set must be
+/// the source's, because the migrated guest must find the same device; the image may be
+/// named by another path, but must be the same file. A request without `incoming_for` is
+/// returned as it is. [`check_add`] then checks the result like any request.
+pub fn resolve_incoming(
+    req: &AddDiskRequest,
+    source: Option<MigrationSource<'_>>,
+) -> Result<AddDiskRequest, ValidationError> {
+    const F: &str = "incoming_for";
+    if req.incoming_for.is_empty() {
+        return Ok(req.clone());
+    }
+    check_id_in(F, &req.incoming_for)?;
+    if req.incoming_for == req.id {
+        return Err(invalid(
+            F,
+            format!(
+                "{:?} is this disk's own id; name the disk it takes over from",
+                req.id
+            ),
+        ));
+    }
+    let Some(source) = source else {
+        return Err(ValidationError::NotFound {
+            field: F,
+            reason: format!("no disk named {:?}", req.incoming_for),
+        });
+    };
+    let src = source.spec;
+    let name = &src.id;
+    if let Some(its_source) = &src.incoming_for {
+        return Err(ValidationError::FailedPrecondition {
+            field: F,
+            reason: format!(
+                "disk {name} is itself the incoming destination of a migration of disk \
+                 {its_source}; it has to take over before it can be migrated on"
+            ),
+        });
+    }
+    if let Some(other) = source.incoming {
+        return Err(ValidationError::FailedPrecondition {
+            field: F,
+            reason: format!(
+                "disk {name} already has an incoming disk, {other}; remove {other} to start \
+                 another migration"
+            ),
+        });
+    }
+    // The destination's frontend is what a migration needs first (its VMM connects to it):
+    // refusing it is how a blocked migration fails before any VMM is involved, with every
+    // QEMU (10.0 aborts when a back-end refuses to start dirty logging).
+    if !source.blockers.is_empty() {
+        return Err(ValidationError::FailedPrecondition {
+            field: F,
+            reason: format!(
+                "disk {name} must not be migrated now: {}",
+                source.blockers.join("; ")
+            ),
+        });
+    }
+    let asked = req.settings.clone().unwrap_or_default();
+    let mut settings = asked.clone();
+    let src_image = src.image.to_string_lossy();
+    if asked.image.is_empty() {
+        settings.image = src_image.into_owned();
+    } else if Path::new(&asked.image).is_absolute() {
+        // Only a file that exists can be compared; check_add reports any other problem with
+        // the path in its own words.
+        if let Some(identity) = image_identity(Path::new(&asked.image)) {
+            if image_identity(&src.image) != Some(identity) {
+                return Err(invalid(
+                    "settings.image",
+                    format!(
+                        "{} is not the image of disk {name} ({src_image}); an incoming disk \
+                         serves its source's image (leave it empty to take it)",
+                        asked.image
+                    ),
+                ));
+            }
+        }
+    }
+    // A value set in the request must be the source's; zero or empty takes the source's.
+    let differs = |field: &'static str, requested: String, source: String| {
+        invalid(
+            field,
+            format!(
+                "{requested} differs from {source} of disk {name}, the migration source; the \
+                 migrated guest must find the same device (leave it unset to take the \
+                 source's)"
+            ),
+        )
+    };
+    if asked.read_only && !src.read_only {
+        return Err(invalid(
+            "settings.read_only",
+            format!(
+                "set, but disk {name}, the migration source, is writable; the migrated guest \
+                 must find the same device (leave it unset to take the source's)"
+            ),
+        ));
+    }
+    settings.read_only = src.read_only;
+    if !asked.serial.is_empty() && asked.serial != src.serial {
+        return Err(differs(
+            "settings.serial",
+            format!("{:?}", asked.serial),
+            format!("{:?}", src.serial),
+        ));
+    }
+    settings.serial = src.serial.clone();
+    for (field, requested, source, slot) in [
+        (
+            "settings.num_queues",
+            asked.num_queues,
+            u32::from(src.num_queues),
+            &mut settings.num_queues,
+        ),
+        (
+            "settings.queue_size",
+            asked.queue_size,
+            u32::from(src.queue_size),
+            &mut settings.queue_size,
+        ),
+        (
+            "settings.block_size",
+            asked.block_size,
+            src.block_size,
+            &mut settings.block_size,
+        ),
+    ] {
+        if requested != 0 && requested != source {
+            return Err(differs(field, requested.to_string(), source.to_string()));
+        }
+        *slot = source;
+    }
+    Ok(AddDiskRequest {
+        settings: Some(settings),
+        ..req.clone()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::DiskSettings;
+    use crate::validate::check_add;
+    use crate::validate::disk::tests::{ctx, request, Tmp};
+
+    fn source_spec(tmp: &Tmp) -> DiskSpec {
+        let mut r = request(tmp);
+        r.id = "src".into();
+        r.settings_mut().read_only = true;
+        r.settings_mut().serial = "SER-1".into();
+        r.settings_mut().num_queues = 4;
+        r.settings_mut().queue_size = 128;
+        r.settings_mut().block_size = 4096;
+        check_add(&r, &ctx(tmp)).unwrap().0
+    }
+
+    #[test]
+    fn incoming_takes_the_source_device() {
+        let tmp = Tmp::new("incoming");
+        let c = ctx(&tmp);
+        let src = source_spec(&tmp);
+        let source = Some(MigrationSource {
+            spec: &src,
+            incoming: None,
+            blockers: &[],
+        });
+        let req = AddDiskRequest {
+            id: "dst".into(),
+            incoming_for: "src".into(),
+            settings: Some(DiskSettings {
+                iothreads: 2,
+                ..Default::default()
+            }),
+        };
+        // Empty and zero: everything the guest sees comes from the source; the iothreads
+        // (not seen by the guest) are the request's own.
+        let resolved = resolve_incoming(&req, source).unwrap();
+        let (spec, identity) = check_add(&resolved, &c).unwrap();
+        assert_eq!(spec.image, src.image);
+        assert_eq!((spec.read_only, spec.serial.as_str()), (true, "SER-1"));
+        assert_eq!(
+            (
+                spec.num_queues,
+                spec.queue_size,
+                spec.block_size,
+                spec.iothreads
+            ),
+            (4, 128, 4096, 2)
+        );
+        assert_eq!(spec.incoming_for.as_deref(), Some("src"));
+        assert_eq!(spec.vhost_socket, tmp.path().join("disks/dst.sock"));
+        assert_eq!(image_identity(&src.image), Some(identity));
+        // The same values spelled out, and the image by another path, are fine too.
+        let link = tmp.path().join("link.img");
+        std::os::unix::fs::symlink(&src.image, &link).unwrap();
+        let same = AddDiskRequest {
+            settings: Some(DiskSettings {
+                image: link.to_str().unwrap().into(),
+                read_only: true,
+                serial: "SER-1".into(),
+                num_queues: 4,
+                queue_size: 128,
+                block_size: 4096,
+                ..req.clone().settings.clone().unwrap_or_default()
+            }),
+            ..req.clone()
+        };
+        let (spec, _) = check_add(&resolve_incoming(&same, source).unwrap(), &c).unwrap();
+        assert_eq!(spec.image, link);
+        // An ordinary request passes through untouched.
+        let plain = request(&tmp);
+        assert_eq!(resolve_incoming(&plain, None).unwrap(), plain);
+        assert_eq!(check_add(&plain, &c).unwrap().0.incoming_for, None);
+    }
+
+    #[test]
+    fn incoming_rules() {
+        let tmp = Tmp::new("incrules");
+        let src = source_spec(&tmp);
+        let source = Some(MigrationSource {
+            spec: &src,
+            incoming: None,
+            blockers: &[],
+        });
+        let base = AddDiskRequest {
+            id: "dst".into(),
+            incoming_for: "src".into(),
+            ..Default::default()
+        };
+        let with = |f: &dyn Fn(&mut AddDiskRequest)| {
+            let mut r = base.clone();
+            f(&mut r);
+            resolve_incoming(&r, source)
+        };
+        let other = tmp.path().join("other.img");
+        std::fs::File::create(&other)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let invalid_field = |r: Result<AddDiskRequest, ValidationError>| match r {
+            Err(ValidationError::Invalid { field, reason }) => {
+                assert!(!reason.is_empty());
+                field
+            }
+            other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+        };
+        assert_eq!(
+            invalid_field(with(
+                &|r| r.settings_mut().image = other.to_str().unwrap().into()
+            )),
+            "settings.image"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.settings_mut().serial = "SER-2".into())),
+            "settings.serial"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.settings_mut().num_queues = 2)),
+            "settings.num_queues"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.settings_mut().queue_size = 256)),
+            "settings.queue_size"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.settings_mut().block_size = 512)),
+            "settings.block_size"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.incoming_for = "a/b".into())),
+            "incoming_for"
+        );
+        assert_eq!(
+            invalid_field(with(&|r| r.incoming_for = "dst".into())),
+            "incoming_for"
+        );
+        let e = with(&|r| r.settings_mut().num_queues = 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("settings.num_queues: 2 differs from 4 of disk src"),
+            "{e}"
+        );
+        // read_only unset takes the source's; set on a writable source is refused.
+        let mut writable = src.clone();
+        writable.read_only = false;
+        let ws = Some(MigrationSource {
+            spec: &writable,
+            incoming: None,
+            blockers: &[],
+        });
+        let mut ro = base.clone();
+        ro.settings_mut().read_only = true;
+        assert_eq!(
+            invalid_field(resolve_incoming(&ro, ws)),
+            "settings.read_only"
+        );
+        // A missing image is check_add's to report (NOT_FOUND), not a mismatch.
+        let missing = with(&|r| {
+            r.settings_mut().image = tmp.path().join("gone.img").to_str().unwrap().into()
+        });
+        assert!(missing.is_ok(), "{missing:?}");
+        // No such disk; a source that is incoming itself, or already has an incoming disk.
+        assert!(matches!(
+            resolve_incoming(&base, None),
+            Err(ValidationError::NotFound {
+                field: "incoming_for",
+                ..
+            })
+        ));
+        let mut incoming_src = src.clone();
+        incoming_src.incoming_for = Some("older".into());
+        let e = resolve_incoming(
+            &base,
+            Some(MigrationSource {
+                spec: &incoming_src,
+                incoming: None,
+                blockers: &[],
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ValidationError::FailedPrecondition {
+                    field: "incoming_for",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = resolve_incoming(
+            &base,
+            Some(MigrationSource {
+                spec: &src,
+                incoming: Some("dst0"),
+                blockers: &[],
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("already has an incoming disk, dst0"),
+            "{e}"
+        );
+        assert_eq!(e.field(), "incoming_for");
+        // A source that must not be migrated now gets no destination; the reasons are named.
+        let blockers = ["operator_backup: nightly".to_string()];
+        let e = resolve_incoming(
+            &base,
+            Some(MigrationSource {
+                spec: &src,
+                incoming: None,
+                blockers: &blockers,
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, ValidationError::FailedPrecondition { .. }),
+            "{e:?}"
+        );
+        assert_eq!(e.field(), "incoming_for");
+        assert!(e.to_string().contains("operator_backup: nightly"), "{e}");
+    }
+}
