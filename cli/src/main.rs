@@ -74,6 +74,10 @@ enum Cmd {
         /// Seconds between refreshes with --watch.
         #[arg(long, default_value_t = 1.0, value_parser = parse_interval)]
         interval: f64,
+        /// Show the rejected requests by queue and by the rule they broke (reasons that
+        /// happened only) instead of the I/O counters.
+        #[arg(long, conflicts_with = "watch")]
+        rejections: bool,
     },
     /// Stream disk and process events until interrupted.
     Events {
@@ -655,15 +659,17 @@ async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure
             id,
             watch,
             interval,
+            rejections,
         } => {
             let req = GetStatsRequest {
                 id: id.unwrap_or_default(),
             };
             if !watch {
                 let disks = client.get_stats(req).await?.into_inner().disks;
-                match format {
-                    Format::Json => print_json(&output::stats_json(&disks)),
-                    Format::Table => print!("{}", output::stats_table(&disks, None)),
+                match (format, rejections) {
+                    (Format::Json, _) => print_json(&output::stats_json(&disks)),
+                    (Format::Table, false) => print!("{}", output::stats_table(&disks, None)),
+                    (Format::Table, true) => print!("{}", output::rejections_table(&disks)),
                 }
                 return Ok(());
             }

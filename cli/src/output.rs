@@ -421,6 +421,11 @@ pub fn queue_stats_json(q: &QueueStats) -> Value {
         "other_ops": q.other_ops,
         "errors": q.errors,
         "rejected": q.rejected,
+        "rejections": q
+            .rejections
+            .iter()
+            .map(|r| (r.reason.clone(), Value::from(r.count)))
+            .collect::<serde_json::Map<_, _>>(),
         "in_flight": q.in_flight,
         "throttled_ns": q.throttled_ns,
         "throttled_ops": q.throttled_ops,
@@ -567,6 +572,41 @@ pub fn stats_table(
         ]
     };
     render_table(&headers, &rows)
+}
+
+/// `stats --rejections`: the rejected requests of each disk by the rule they broke, per queue
+/// (`-` for the disk's total when it has one queue); only reasons that happened. A frontend
+/// that predates named reasons shows its total as `unnamed`.
+pub fn rejections_table(disks: &[DiskStatistics]) -> String {
+    let mut rows = Vec::new();
+    for d in disks {
+        let queues: Vec<(String, &QueueStats)> = match (d.queues.len(), &d.total) {
+            (0 | 1, Some(total)) => vec![("-".into(), total)],
+            _ => d.queues.iter().map(|q| (q.index.to_string(), q)).collect(),
+        };
+        for (queue, q) in queues {
+            if q.rejections.is_empty() && q.rejected != 0 {
+                rows.push(vec![
+                    d.id.clone(),
+                    queue.clone(),
+                    "unnamed".into(),
+                    q.rejected.to_string(),
+                ]);
+            }
+            for r in q.rejections.iter().filter(|r| r.count != 0) {
+                rows.push(vec![
+                    d.id.clone(),
+                    queue.clone(),
+                    r.reason.clone(),
+                    r.count.to_string(),
+                ]);
+            }
+        }
+    }
+    if rows.is_empty() {
+        return "no rejected requests\n".into();
+    }
+    render_table(&["DISK", "QUEUE", "REASON", "COUNT"], &rows)
 }
 
 /// A duration in nanoseconds for people: `0`, `850us`, `12ms`, `3.5s`.
@@ -888,5 +928,61 @@ mod tests {
         assert!(t.lines().next().unwrap().contains("THROTTLED/s"), "{t}");
         let q1 = t.lines().find(|l| l.starts_with("  q1")).unwrap();
         assert!(q1.contains(" 1000ms/s "), "{t}");
+    }
+
+    #[test]
+    fn rejections_by_queue_and_reason() {
+        let r = |reason: &str, count| blkplane_proto::v1::RejectionCount {
+            reason: reason.into(),
+            count,
+        };
+        let q = |index, rejections| QueueStats {
+            index,
+            rejections,
+            ..Default::default()
+        };
+        let two = DiskStatistics {
+            id: "d2".into(),
+            queues: vec![
+                q(0, vec![r("read_only", 2), r("empty_range", 0)]),
+                q(1, vec![r("read_only", 0), r("status_empty", 1)]),
+            ],
+            ..Default::default()
+        };
+        let one = DiskStatistics {
+            id: "d1".into(),
+            total: Some(q(1, vec![r("beyond_capacity", 4)])),
+            queues: vec![q(0, vec![r("beyond_capacity", 4)])],
+            ..Default::default()
+        };
+        let old = DiskStatistics {
+            id: "old".into(),
+            total: Some(QueueStats {
+                rejected: 3,
+                ..Default::default()
+            }),
+            queues: vec![QueueStats::default()],
+            ..Default::default()
+        };
+        let t = rejections_table(&[two.clone(), one, old]);
+        let lines: Vec<&str> = t.lines().map(str::trim_end).collect();
+        assert_eq!(
+            lines,
+            [
+                "DISK  QUEUE  REASON           COUNT",
+                "d2    0      read_only        2",
+                "d2    1      status_empty     1",
+                "d1    -      beyond_capacity  4",
+                "old   -      unnamed          3",
+            ],
+            "{t}"
+        );
+        assert_eq!(
+            rejections_table(&[DiskStatistics::default()]),
+            "no rejected requests\n"
+        );
+        let j = stats_json(std::slice::from_ref(&two));
+        assert_eq!(j[0]["queues"][1]["rejections"]["status_empty"], 1);
+        assert_eq!(j[0]["queues"][0]["rejections"]["empty_range"], 0);
     }
 }

@@ -470,7 +470,7 @@ fn scrape_until(addr: SocketAddr, what: &str, pred: impl Fn(&Exposition) -> bool
         assert_eq!(a.status, 200, "{a:?}");
         assert_eq!(
             a.headers.get("content-type").map(String::as_str),
-            Some("text/plain; version=0.0.4")
+            Some("text/plain; version=0.0.4; charset=utf-8")
         );
         let e = parse(&a.body).unwrap_or_else(|err| panic!("{err}\n{}", a.body));
         if pred(&e) {
@@ -646,7 +646,6 @@ async fn metrics_of_two_disks_and_health() {
         for family in [
             "blkplane_queue_in_flight",
             "blkplane_queue_errors_total",
-            "blkplane_queue_rejected_total",
             "blkplane_queue_throttled_seconds_total",
             "blkplane_queue_throttled_ops_total",
             "blkplane_queue_latency_seconds_count",
@@ -656,6 +655,18 @@ async fn metrics_of_two_disks_and_health() {
         }
         assert_eq!(e.having("blkplane_queue_ops_total", &d).len(), 6 * queues);
         assert_eq!(e.having("blkplane_queue_bytes_total", &d).len(), 4 * queues);
+        // Rejections: every rule the frontend checks, per queue, zero (nothing was rejected).
+        let rejected = e.having("blkplane_queue_rejected_total", &d);
+        let reasons: BTreeSet<&str> = rejected
+            .iter()
+            .map(|s| s.labels["reason"].as_str())
+            .collect();
+        assert!(
+            reasons.len() > 20 && reasons.contains("status_read_only"),
+            "{reasons:?}"
+        );
+        assert_eq!(rejected.len(), reasons.len() * queues, "{disk}");
+        assert!(rejected.iter().all(|s| s.value == 0.0), "{disk}");
     }
     // libblkio negotiates no dirty logging: a is not migratable, for that reason only.
     assert_eq!(e.get("blkplane_disk_migratable", &[("disk", "a")]), 0.0);
@@ -844,4 +855,104 @@ async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--metrics-listen"));
     drop(daemon);
+}
+
+/// Requests a hostile driver puts on the ring are counted by the rule they break, and the
+/// count reaches the operator three ways: `blkplane_queue_rejected_total{reason}`, GetStats
+/// (`blkplanectl stats -o json`) and `blkplanectl stats ID --rejections`.
+#[tokio::test]
+async fn rejected_requests_are_counted_by_reason() {
+    use blkplane_tests::raw::{BlkRequest, Buf, RawDevice, Status};
+    use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
+
+    let dir = TempDir::new("rejections");
+    let _frontends = KillFrontends(dir.path().join("run/disks"));
+    let frontend = &blkplane_tests::binaries().frontend;
+    let mut daemon = Daemon::start(dir.path(), frontend, &["--metrics-listen", "127.0.0.1:0"]);
+    let addr = daemon.metrics_addr();
+    let socket = dir.path().join("run/control.sock");
+    let mut api = client(&socket).await;
+    let img = blkplane_tests::create_image(&dir.path().join("r.img"), 8 * MIB);
+    let disk = api
+        .add_disk(AddDiskRequest {
+            id: "r".into(),
+            settings: Some(DiskSettings {
+                image: img.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("AddDisk r")
+        .into_inner();
+    let vhost = PathBuf::from(disk.config.unwrap().settings_or_default().vhost_socket);
+    let mut dev = RawDevice::connect(&vhost, 1, 64).expect("raw vhost-user connection");
+    let read = || BlkRequest::new(VIRTIO_BLK_T_IN, 0).data(Buf::In(512));
+    // Twice a status byte the device cannot write, once a read past the end, once a write
+    // whose data the device would have to write into.
+    for _ in 0..2 {
+        assert_eq!(dev.request(0, &read().status(Status::ReadOnly)).used_len, 0);
+    }
+    let past_end = BlkRequest::new(VIRTIO_BLK_T_IN, 8 * MIB / 512).data(Buf::In(512));
+    assert!(dev
+        .request(0, &past_end)
+        .status_u32()
+        .is_some_and(|s| s != 0));
+    let wrong_way = BlkRequest::new(VIRTIO_BLK_T_OUT, 0).data(Buf::In(512));
+    assert!(dev
+        .request(0, &wrong_way)
+        .status_u32()
+        .is_some_and(|s| s != 0));
+    dev.assert_alive(0, "after the rejected requests");
+
+    let want = [
+        ("status_read_only", 2.0),
+        ("beyond_capacity", 1.0),
+        ("wrong_direction", 1.0),
+    ];
+    let labels = |reason| [("disk", "r"), ("queue", "0"), ("reason", reason)];
+    let e = scrape_until(addr, "rejections by reason", |e| {
+        want.iter().all(|(reason, n)| {
+            e.value("blkplane_queue_rejected_total", &labels(reason)) == Some(*n)
+        })
+    });
+    let rejected = e.having("blkplane_queue_rejected_total", &[("disk", "r")]);
+    let total: f64 = rejected.iter().map(|s| s.value).sum();
+    assert_eq!(total, 4.0, "only these four, each once: {rejected:?}");
+
+    let (code, out, err) = ctl(&socket, &["stats", "r", "--rejections"]);
+    assert_eq!(code, Some(0), "{err}");
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            vec!["DISK", "QUEUE", "REASON", "COUNT"],
+            // In the frontend's order of its rules.
+            vec!["r", "-", "status_read_only", "2"],
+            vec!["r", "-", "wrong_direction", "1"],
+            vec!["r", "-", "beyond_capacity", "1"],
+        ],
+        "{out}"
+    );
+    let (code, out, err) = ctl(&socket, &["-o", "json", "stats", "r"]);
+    assert_eq!(code, Some(0), "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let by_reason = &json[0]["queues"][0]["rejections"];
+    assert_eq!(by_reason["status_read_only"], 2, "{json}");
+    assert_eq!(
+        json[0]["total"]["rejections"]["beyond_capacity"], 1,
+        "{json}"
+    );
+    assert_eq!(json[0]["total"]["rejected"], 4, "{json}");
+    // The frontend's log names the rule too.
+    let log = std::fs::read_to_string(dir.path().join("run/disks/r.log")).unwrap_or_default();
+    assert!(
+        log.contains("rejected request (status_read_only): status descriptor is read-only"),
+        "{log}"
+    );
+    drop(dev);
+    daemon.terminate();
 }

@@ -17,13 +17,14 @@ use std::time::Duration;
 use blkplane_proto::v1::{
     frontend_request, frontend_response, DiskStats, Drained, FrontendRequest, FrontendResponse,
     FrontendStatus, IothreadStats, LatencyHistogram, MigrationBlockersSet, QueueStats, QueueStatus,
-    ResizeDone, Resumed, SetThrottle, ThrottleSet,
+    RejectionCount, ResizeDone, Resumed, SetThrottle, ThrottleSet,
 };
 use log::{info, warn};
 use prost::Message;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::config::DiskConfig;
+use crate::rejection::RejectReason;
 use crate::stats::{bucket_upper_bound_us, DeviceStatus};
 
 /// Largest frame accepted, in bytes.
@@ -302,6 +303,14 @@ pub fn disk_stats(status: &DeviceStatus) -> DiskStats {
                 other_ops: get(&q.other_ops),
                 errors: get(&q.errors),
                 rejected: get(&q.rejected),
+                rejections: RejectReason::ALL
+                    .iter()
+                    .zip(&q.rejected_by_reason)
+                    .map(|(reason, count)| RejectionCount {
+                        reason: reason.name().into(),
+                        count: get(count),
+                    })
+                    .collect(),
                 in_flight: get(&q.in_flight),
                 throttled_ns: get(&q.throttled_ns),
                 throttled_ops: get(&q.throttled_ops),

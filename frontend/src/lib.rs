@@ -22,6 +22,7 @@ pub mod iothread;
 pub mod lifecycle;
 pub mod memory;
 pub mod queue_core;
+pub mod rejection;
 pub mod request;
 pub mod resize;
 pub mod session;

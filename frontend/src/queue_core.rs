@@ -37,6 +37,7 @@ use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use crate::config::DiskConfig;
 use crate::memory::MemoryTable;
+use crate::rejection::RejectReason;
 use crate::request::{self, ChainError, Rejected, RequestKind};
 use crate::stats::{DeviceStatus, QueueCounters};
 use crate::throttle::{self, DiskThrottle, Throttler};
@@ -559,7 +560,7 @@ impl QueueCore {
                 return self.break_ring(local, "avail ring names a head outside the table");
             }
             Err(e) => {
-                self.note_rejection(local, &e.to_string(), false);
+                self.note_rejection(local, e.reason(), &e.to_string(), false);
                 return self.answer(local, slot, head, None, 0, memory);
             }
         }
@@ -568,7 +569,7 @@ impl QueueCore {
         let request = match parsed {
             Ok(request) => request,
             Err(Rejected { error, status }) => {
-                self.note_rejection(local, &error.to_string(), status.is_some());
+                self.note_rejection(local, error.reason(), &error.to_string(), status.is_some());
                 let used = u32::from(status.is_some());
                 let status = status.map(|addr| (addr, error.status()));
                 return self.answer(local, slot, head, status, used, memory);
@@ -663,16 +664,17 @@ impl QueueCore {
         self.in_flight = self.in_flight.saturating_add(1);
     }
 
-    fn note_rejection(&mut self, local: usize, why: &str, with_status: bool) {
+    fn note_rejection(&mut self, local: usize, reason: RejectReason, why: &str, with_status: bool) {
         if let Some(counters) = self.counters(local) {
-            counters.rejected(with_status);
+            counters.rejected(reason, with_status);
         }
         self.rejections = self.rejections.saturating_add(1);
         let queue = self.queue_ids.get(local).copied().unwrap_or(u16::MAX);
+        let reason = reason.name();
         if self.rejections <= LOUD_REJECTIONS {
-            warn!("queue {queue}: rejected request: {why}");
+            warn!("queue {queue}: rejected request ({reason}): {why}");
         } else {
-            log::debug!("queue {queue}: rejected request: {why}");
+            log::debug!("queue {queue}: rejected request ({reason}): {why}");
         }
     }
 

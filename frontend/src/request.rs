@@ -24,6 +24,7 @@ use crate::config::{
     DiskConfig, MAX_DISCARD_SECTORS, MAX_DISCARD_SEGMENTS, SECTOR_SHIFT, SERIAL_LEN,
 };
 use crate::memory::{MemoryTable, PieceError};
+use crate::rejection::RejectReason;
 
 /// Size of `struct virtio_blk_outhdr`: type, ioprio, sector.
 const HEADER_LEN: u32 = 16;
@@ -166,7 +167,51 @@ fn saturate_u32(value: u64) -> u32 {
     u32::try_from(value).unwrap_or(u32::MAX)
 }
 
+impl ChainError {
+    /// The rule the chain broke.
+    pub const fn reason(&self) -> RejectReason {
+        match self {
+            Self::HeadOutOfRange(_) => RejectReason::HeadOutOfRange,
+            Self::NextOutOfRange(_) => RejectReason::NextOutOfRange,
+            Self::TableOutsideMemory(_) => RejectReason::TableOutsideMemory,
+            Self::TooLong(_) => RejectReason::ChainTooLong,
+            Self::IndirectTooLong => RejectReason::IndirectTooLong,
+            Self::NestedIndirect => RejectReason::NestedIndirect,
+            Self::IndirectWithNext => RejectReason::IndirectWithNext,
+            Self::IndirectTableLength(_) => RejectReason::IndirectTableLength,
+        }
+    }
+}
+
 impl RequestError {
+    /// The rule the request broke.
+    pub const fn reason(&self) -> RejectReason {
+        match self {
+            Self::Chain(e) => e.reason(),
+            Self::StatusMissing => RejectReason::StatusMissing,
+            Self::StatusReadOnly => RejectReason::StatusReadOnly,
+            Self::StatusEmpty => RejectReason::StatusEmpty,
+            Self::AddressOverflow(_) => RejectReason::AddressOverflow,
+            Self::OutsideMemory(_) => RejectReason::OutsideMemory,
+            Self::ReadableAfterWritable => RejectReason::ReadableAfterWritable,
+            Self::HeaderTooShort(_) => RejectReason::HeaderTooShort,
+            Self::WrongDirection(_) => RejectReason::WrongDirection,
+            Self::UnsupportedType(_) => RejectReason::UnsupportedType,
+            Self::Misaligned(_) => RejectReason::MisalignedLength,
+            Self::MisalignedSector(_) => RejectReason::MisalignedSector,
+            Self::SectorOverflow(_) => RejectReason::SectorOverflow,
+            Self::BeyondCapacity { .. } => RejectReason::BeyondCapacity,
+            Self::ReadOnly => RejectReason::ReadOnly,
+            Self::GetIdTooSmall(_) => RejectReason::GetIdTooSmall,
+            Self::RangeListLength(_) => RejectReason::RangeListLength,
+            Self::TooManyRanges(_) => RejectReason::TooManyRanges,
+            Self::EmptyRange => RejectReason::EmptyRange,
+            Self::RangeTooLarge(_) => RejectReason::RangeTooLarge,
+            Self::UnsupportedFlags(_) => RejectReason::UnsupportedFlags,
+            Self::TooManySegments(_) => RejectReason::TooManySegments,
+        }
+    }
+
     /// The status to report, when the status byte is usable.
     pub fn status(&self) -> u8 {
         match self {

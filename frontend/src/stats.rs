@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::rejection::RejectReason;
 use blkplane_proto::ring::Opcode;
 
 /// Latency buckets: bucket `i` holds latencies up to 2^i µs; the last one everything longer.
@@ -69,6 +70,8 @@ pub struct QueueCounters {
     pub errors: AtomicU64,
     /// Requests rejected by validation.
     pub rejected: AtomicU64,
+    /// `rejected` by rule, indexed by [`RejectReason::index`].
+    pub rejected_by_reason: [AtomicU64; RejectReason::COUNT],
     /// Requests in flight.
     pub in_flight: AtomicU64,
     /// Latency histogram of requests that went to an iothread.
@@ -132,9 +135,13 @@ impl QueueCounters {
         }
     }
 
-    /// Records a request rejected by validation (`with_status`: an error status was written).
-    pub fn rejected(&self, with_status: bool) {
+    /// Records a request rejected by validation for `reason` (`with_status`: an error status
+    /// was written).
+    pub fn rejected(&self, reason: RejectReason, with_status: bool) {
         bump(&self.rejected, 1);
+        if let Some(by_reason) = self.rejected_by_reason.get(reason.index()) {
+            bump(by_reason, 1);
+        }
         if with_status {
             bump(&self.errors, 1);
         }
@@ -285,9 +292,19 @@ mod tests {
         assert_eq!(q.errors.load(Ordering::Relaxed), 1);
         assert_eq!(q.in_flight.load(Ordering::Relaxed), 0);
         assert_eq!(q.latency[2].load(Ordering::Relaxed), 1);
-        q.rejected(true);
-        q.rejected(false);
-        assert_eq!(q.rejected.load(Ordering::Relaxed), 2);
+        q.rejected(RejectReason::StatusEmpty, true);
+        q.rejected(RejectReason::BeyondCapacity, false);
+        q.rejected(RejectReason::BeyondCapacity, true);
+        assert_eq!(q.rejected.load(Ordering::Relaxed), 3);
+        let by = |r: RejectReason| q.rejected_by_reason[r.index()].load(Ordering::Relaxed);
+        assert_eq!(
+            (
+                by(RejectReason::StatusEmpty),
+                by(RejectReason::BeyondCapacity),
+                by(RejectReason::ReadOnly)
+            ),
+            (1, 2, 0)
+        );
         assert_eq!(q.errors.load(Ordering::Relaxed), 2);
     }
 

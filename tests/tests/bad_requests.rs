@@ -1,7 +1,12 @@
 //! Malformed virtio-blk requests put straight on the ring by the raw front-end. Each must be
 //! answered (the right status, or used length 0 when no status byte can be found) and the
-//! device must keep serving the same queue afterwards.
+//! device must keep serving the same queue afterwards. Each rejection is counted under the
+//! rule it broke (the frontend's admin statistics, which blkplaned exports as
+//! `blkplane_queue_rejected_total{reason}`): every case checks that exactly that one counter
+//! moved, by one, and a valid request moves none.
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use blkplane_tests::client::check_fresh_connection;
@@ -39,6 +44,12 @@ enum Expect {
 struct Setup {
     fe: Frontend,
     dev: RawDevice,
+    /// The frontend's admin socket, for its rejection counters.
+    admin: PathBuf,
+    /// Queue 0's rejections by reason after the last case.
+    rejections: BTreeMap<String, u64>,
+    /// The counters the last case moved, and by how much.
+    last_moved: Vec<(String, u64)>,
     /// Cases with the wrong outcome. Collected rather than panicking at once, so one run shows
     /// every broken rule; the test fails at `finish` if there are any.
     failures: Vec<String>,
@@ -48,17 +59,33 @@ struct Setup {
 fn setup(tag: &str, args: &[&str]) -> Setup {
     let dir = TempDir::new(tag);
     let img = create_random_image(&dir.join("disk.img"), IMAGE_SIZE, 31);
-    let mut all = vec!["--serial", SERIAL];
+    let admin = dir.join("admin.sock");
+    let mut all = vec![
+        "--serial",
+        SERIAL,
+        "--admin-socket",
+        admin.to_str().unwrap(),
+    ];
     all.extend_from_slice(args);
     let fe = Frontend::start(&img, &all);
     let dev = RawDevice::connect(fe.socket(), 1, QUEUE_SIZE)
         .unwrap_or_else(|e| panic!("raw vhost-user setup: {e}"));
-    Setup {
+    let mut s = Setup {
         fe,
         dev,
+        admin,
+        rejections: BTreeMap::new(),
+        last_moved: Vec::new(),
         failures: Vec::new(),
         _dir: dir,
-    }
+    };
+    s.rejections = s.read_rejections();
+    assert!(
+        s.rejections.contains_key("status_read_only") && s.rejections.values().all(|&n| n == 0),
+        "a new frontend lists every rule at zero: {:?}",
+        s.rejections
+    );
+    s
 }
 
 impl Setup {
@@ -69,6 +96,49 @@ impl Setup {
         let r = self.dev.request(0, req);
         self.verify(name, &r, expect);
         r
+    }
+
+    /// [`Setup::check`] of a request that breaks the rule named `reason`.
+    #[track_caller]
+    fn rejects(&mut self, name: &str, req: &BlkRequest, expect: Expect, reason: &str) -> BlkResult {
+        let r = self.check(name, req, expect);
+        self.rejected_for(name, reason);
+        r
+    }
+
+    /// Queue 0's rejection counters by reason.
+    fn read_rejections(&self) -> BTreeMap<String, u64> {
+        let stats = admin::stats(&self.admin).unwrap_or_else(|e| panic!("stats: {e}"));
+        let q = stats.queues.first().cloned().unwrap_or_default();
+        q.rejections
+            .into_iter()
+            .map(|r| (r.reason, r.count))
+            .collect()
+    }
+
+    /// The rejection counters that moved since the last look (and remembers the new ones).
+    fn moved(&mut self) -> Vec<(String, u64)> {
+        let now = self.read_rejections();
+        let moved = now
+            .iter()
+            .filter_map(|(reason, &n)| {
+                let before = self.rejections.get(reason).copied().unwrap_or(0);
+                (n != before).then(|| (reason.clone(), n.saturating_sub(before)))
+            })
+            .collect();
+        self.rejections = now;
+        moved
+    }
+
+    /// The last case was counted once, under `reason`, and under nothing else.
+    #[track_caller]
+    fn rejected_for(&mut self, name: &str, reason: &str) {
+        let moved = &self.last_moved;
+        if moved != &[(reason.to_string(), 1)] {
+            let outcome = format!("{name}: rejections counted {moved:?}, expected {reason} once");
+            println!("FAILED: {outcome}");
+            self.failures.push(outcome);
+        }
     }
 
     #[track_caller]
@@ -86,9 +156,27 @@ impl Setup {
             "{name}: used len {}, status {:?} (expected {expect:?})",
             r.used_len, r.status
         );
+        self.last_moved = self.moved();
         if good {
             println!("ok: {outcome}");
         } else {
+            println!("FAILED: {outcome}");
+            self.failures.push(outcome);
+        }
+        // A valid request is no rejection; a rejected one is counted once, under one rule
+        // (which `rejects` names). `alive` below reads valid data, which counts nowhere.
+        println!("    counted: {:?}", self.last_moved);
+        let counted_right = match expect {
+            Expect::Ok => self.last_moved.is_empty(),
+            Expect::Survive => true,
+            _ => self.last_moved.len() == 1 && self.last_moved.iter().all(|(_, n)| *n == 1),
+        };
+        if !counted_right {
+            let outcome = format!(
+                "{name}: rejections counted {:?} (expected {})",
+                self.last_moved,
+                if expect == Expect::Ok { "none" } else { "one" }
+            );
             println!("FAILED: {outcome}");
             self.failures.push(outcome);
         }
@@ -111,6 +199,7 @@ impl Setup {
             dev,
             failures,
             _dir,
+            ..
         } = self;
         drop(dev);
         fe.assert_running("the raw connection closing");
@@ -187,7 +276,7 @@ fn descriptors_outside_guest_memory() {
             writable: true,
         })
     };
-    s.check(
+    s.rejects(
         "header outside guest memory",
         &read_req(0, 512).header(Buf::Raw(Seg {
             addr: MEM_SIZE + 4096,
@@ -195,13 +284,15 @@ fn descriptors_outside_guest_memory() {
             writable: false,
         })),
         Expect::Rejected,
+        "outside_memory",
     );
-    s.check(
+    s.rejects(
         "read into a buffer outside guest memory",
         &BlkRequest::new(VIRTIO_BLK_T_IN, 0).data(outside(512)),
         Expect::IoErr,
+        "outside_memory",
     );
-    s.check(
+    s.rejects(
         "read into a buffer straddling the end of guest memory",
         &BlkRequest::new(VIRTIO_BLK_T_IN, 0).data(Buf::Raw(Seg {
             addr: MEM_SIZE - 256,
@@ -209,8 +300,9 @@ fn descriptors_outside_guest_memory() {
             writable: true,
         })),
         Expect::IoErr,
+        "outside_memory",
     );
-    s.check(
+    s.rejects(
         "write from a buffer far outside guest memory",
         &BlkRequest::new(VIRTIO_BLK_T_OUT, 0).data(Buf::Raw(Seg {
             addr: 1 << 40,
@@ -218,8 +310,9 @@ fn descriptors_outside_guest_memory() {
             writable: false,
         })),
         Expect::IoErr,
+        "outside_memory",
     );
-    s.check(
+    s.rejects(
         "buffer whose address + length wraps around u64",
         &BlkRequest::new(VIRTIO_BLK_T_IN, 0).data(Buf::Raw(Seg {
             addr: u64::MAX - 100,
@@ -227,13 +320,15 @@ fn descriptors_outside_guest_memory() {
             writable: true,
         })),
         Expect::IoErr,
+        "address_overflow",
     );
-    s.check(
+    s.rejects(
         "status byte outside guest memory",
         &read_req(0, 512).status(Status::At(MEM_SIZE + 1)),
         Expect::NoStatus,
+        "outside_memory",
     );
-    s.check(
+    s.rejects(
         "indirect request whose header is outside guest memory",
         &read_req(0, 512)
             .header(Buf::Raw(Seg {
@@ -243,6 +338,7 @@ fn descriptors_outside_guest_memory() {
             }))
             .indirect(),
         Expect::Rejected,
+        "outside_memory",
     );
     // An indirect table that is itself outside guest memory.
     let used = s.dev.run_descs(
@@ -256,6 +352,11 @@ fn descriptors_outside_guest_memory() {
         0,
     );
     assert_eq!(used.len, 0, "indirect table outside guest memory: {used:?}");
+    s.last_moved = s.moved();
+    s.rejected_for(
+        "indirect table outside guest memory",
+        "table_outside_memory",
+    );
     s.alive("indirect table outside guest memory");
     println!("ok: indirect table outside guest memory: used len 0");
     s.finish(Some(2));
@@ -282,18 +383,22 @@ fn descriptor_loops_and_broken_chains() {
         next,
     };
 
-    type Case = (&'static str, Vec<Desc>);
+    // (what, the rule it breaks, the chain)
+    type Case = (&'static str, &'static str, Vec<Desc>);
     let mut cases: Vec<Case> = vec![
         (
             "descriptor 0 chained to itself",
+            "chain_too_long",
             vec![d(hdr, 16, F_NEXT, 0)],
         ),
         (
             "two descriptors chained in a cycle",
+            "chain_too_long",
             vec![d(hdr, 16, F_NEXT, 1), d(st, 1, F_WRITE | F_NEXT, 0)],
         ),
         (
             "next index beyond the queue size",
+            "next_out_of_range",
             vec![d(hdr, 16, F_NEXT, QUEUE_SIZE + 5)],
         ),
     ];
@@ -305,6 +410,7 @@ fn descriptor_loops_and_broken_chains() {
     long[0] = d(hdr, 16, F_NEXT, 1);
     cases.push((
         "chain of queue-size descriptors that wraps to its head",
+        "chain_too_long",
         long,
     ));
 
@@ -315,6 +421,7 @@ fn descriptor_loops_and_broken_chains() {
     let nested = s.dev.write_desc_table(&[d(inner, 32, F_INDIRECT, 0)]);
     cases.push((
         "indirect descriptor inside an indirect table",
+        "nested_indirect",
         vec![d(nested, 16, F_INDIRECT, 0)],
     ));
     let looping = s
@@ -322,6 +429,7 @@ fn descriptor_loops_and_broken_chains() {
         .write_desc_table(&[d(hdr, 16, F_NEXT, 1), d(st, 1, F_WRITE | F_NEXT, 0)]);
     cases.push((
         "loop inside an indirect table",
+        "indirect_too_long",
         vec![d(looping, 32, F_INDIRECT, 0)],
     ));
     let escaping = s
@@ -329,18 +437,22 @@ fn descriptor_loops_and_broken_chains() {
         .write_desc_table(&[d(hdr, 16, F_NEXT, 7), d(st, 1, F_WRITE, 0)]);
     cases.push((
         "indirect next index beyond the table",
+        "next_out_of_range",
         vec![d(escaping, 32, F_INDIRECT, 0)],
     ));
     cases.push((
         "indirect table of length 0",
+        "indirect_table_length",
         vec![d(inner, 0, F_INDIRECT, 0)],
     ));
     cases.push((
         "indirect table length not a multiple of 16",
+        "indirect_table_length",
         vec![d(inner, 24, F_INDIRECT, 0)],
     ));
     cases.push((
         "indirect descriptor that also has NEXT",
+        "indirect_with_next",
         vec![d(inner, 32, F_INDIRECT | F_NEXT, 1), d(st, 1, F_WRITE, 0)],
     ));
     // An indirect table may hold more descriptors than the ring (Linux sizes its tables by
@@ -383,12 +495,21 @@ fn descriptor_loops_and_broken_chains() {
     let huge = s.dev.write_desc_table(&chain(1025));
     cases.push((
         "indirect table with more than 1024 entries",
+        "indirect_too_long",
         vec![d(huge, 16 * 1025, F_INDIRECT, 0)],
     ));
 
-    for (name, descs) in &cases {
+    // The valid indirect table above is no rejection.
+    let moved = s.moved();
+    assert!(
+        moved.is_empty(),
+        "a valid indirect table counted as rejected: {moved:?}"
+    );
+    for (name, reason, descs) in &cases {
         s.dev.mem.fill(st, 16, STATUS_SENTINEL);
         let used = s.dev.run_descs(0, descs, 0);
+        s.last_moved = s.moved();
+        s.rejected_for(name, reason);
         assert_eq!(used.len, 0, "{name}: used entry {used:?}");
         assert_eq!(
             s.dev.mem.read(st, 1)[0],
@@ -434,16 +555,18 @@ fn short_headers() {
     let mut s = setup("hdr", &[]);
     let hdr = blk_header(VIRTIO_BLK_T_IN, 0);
     for len in [0usize, 1, 8, 15] {
-        s.check(
+        s.rejects(
             &format!("{len}-byte header"),
             &BlkRequest::new(VIRTIO_BLK_T_IN, 0).header(Buf::Out(hdr[..len].to_vec())),
             Expect::IoErr,
+            "header_too_short",
         );
     }
-    s.check(
+    s.rejects(
         "8-byte header followed by a writable data buffer",
         &read_req(0, 512).header(Buf::Out(hdr[..8].to_vec())),
         Expect::IoErr,
+        "header_too_short",
     );
     s.finish(Some(4));
 }
@@ -451,35 +574,41 @@ fn short_headers() {
 #[test]
 fn unusable_status_descriptor() {
     let mut s = setup("status", &[]);
-    s.check(
+    s.rejects(
         "header only, no status descriptor",
         &BlkRequest::new(VIRTIO_BLK_T_IN, 0).status(Status::Missing),
         Expect::NoStatus,
+        "status_missing",
     );
-    s.check(
+    s.rejects(
         "write with header and data but no status descriptor",
         &write_req(0, 512).status(Status::Missing),
         Expect::NoStatus,
+        "status_read_only",
     );
-    s.check(
+    s.rejects(
         "read-only status descriptor",
         &read_req(0, 512).status(Status::ReadOnly),
         Expect::NoStatus,
+        "status_read_only",
     );
-    s.check(
+    s.rejects(
         "read-only status descriptor (flush)",
         &BlkRequest::new(VIRTIO_BLK_T_FLUSH, 0).status(Status::ReadOnly),
         Expect::NoStatus,
+        "status_read_only",
     );
-    s.check(
+    s.rejects(
         "zero-length status descriptor",
         &read_req(0, 512).status(Status::ZeroLength),
         Expect::NoStatus,
+        "status_empty",
     );
-    s.check(
+    s.rejects(
         "zero-length status descriptor (indirect)",
         &write_req(0, 512).status(Status::ZeroLength).indirect(),
         Expect::NoStatus,
+        "status_empty",
     );
     s.finish(Some(5));
 }
@@ -487,30 +616,35 @@ fn unusable_status_descriptor() {
 #[test]
 fn data_in_the_wrong_direction() {
     let mut s = setup("dir", &[]);
-    s.check(
+    s.rejects(
         "read with a device-readable data buffer",
         &BlkRequest::new(VIRTIO_BLK_T_IN, 0).data(Buf::Out(vec![0; 512])),
         Expect::IoErr,
+        "wrong_direction",
     );
-    s.check(
+    s.rejects(
         "write with a device-writable data buffer",
         &BlkRequest::new(VIRTIO_BLK_T_OUT, 0).data(Buf::In(512)),
         Expect::IoErr,
+        "wrong_direction",
     );
-    s.check(
+    s.rejects(
         "write with both readable and writable data",
         &write_req(0, 512).data(Buf::In(512)),
         Expect::IoErr,
+        "wrong_direction",
     );
-    s.check(
+    s.rejects(
         "device-readable buffer after a device-writable one",
         &read_req(0, 512).data(Buf::Out(vec![0; 512])),
         Expect::Rejected,
+        "readable_after_writable",
     );
-    s.check(
+    s.rejects(
         "discard with a device-writable range list",
         &BlkRequest::new(VIRTIO_BLK_T_DISCARD, 0).data(Buf::In(16)),
         Expect::IoErr,
+        "wrong_direction",
     );
     // The image must not have been touched by any of the above.
     let r = s.dev.read(0, 0, 1024);
@@ -530,10 +664,11 @@ fn unknown_request_types() {
         0xdead,
         u32::MAX,
     ] {
-        s.check(
+        s.rejects(
             &format!("request type {t:#x}"),
             &BlkRequest::new(t, 0).data(Buf::In(512)),
             Expect::Unsupp,
+            "unsupported_type",
         );
     }
     s.finish(Some(7));
@@ -542,41 +677,53 @@ fn unknown_request_types() {
 #[test]
 fn sectors_out_of_range() {
     let mut s = setup("range", &[]);
-    s.check(
+    s.rejects(
         "read at the capacity",
         &read_req(CAPACITY, 512),
         Expect::IoErr,
+        "beyond_capacity",
     );
-    s.check(
+    s.rejects(
         "read across the end",
         &read_req(CAPACITY - 1, 1024),
         Expect::IoErr,
+        "beyond_capacity",
     );
-    s.check(
+    s.rejects(
         "write across the end",
         &write_req(CAPACITY - 1, 1024),
         Expect::IoErr,
+        "beyond_capacity",
     );
-    s.check(
+    s.rejects(
         "sector whose byte offset overflows u64",
         &read_req(u64::MAX / 512 + 1, 512),
         Expect::IoErr,
+        "sector_overflow",
     );
-    s.check("sector u64::MAX", &read_req(u64::MAX, 512), Expect::IoErr);
-    s.check(
+    s.rejects(
+        "sector u64::MAX",
+        &read_req(u64::MAX, 512),
+        Expect::IoErr,
+        "sector_overflow",
+    );
+    s.rejects(
         "write at sector u64::MAX - 1",
         &write_req(u64::MAX - 1, 1024),
         Expect::IoErr,
+        "sector_overflow",
     );
-    s.check(
+    s.rejects(
         "read of 100 bytes (not whole sectors)",
         &read_req(0, 100),
         Expect::IoErr,
+        "misaligned_length",
     );
-    s.check(
+    s.rejects(
         "write of 512 + 100 bytes",
         &write_req(0, 612),
         Expect::IoErr,
+        "misaligned_length",
     );
     // Degenerate but harmless: requests without data.
     s.check(
@@ -605,21 +752,24 @@ fn read_only_disk_refuses_writes() {
         s.dev.offers(VIRTIO_BLK_F_RO),
         "--read-only does not offer VIRTIO_BLK_F_RO"
     );
-    s.check("write", &write_req(0, 4096), Expect::IoErr);
-    s.check(
+    s.rejects("write", &write_req(0, 4096), Expect::IoErr, "read_only");
+    s.rejects(
         "indirect write",
         &write_req(8, 512).indirect(),
         Expect::IoErr,
+        "read_only",
     );
-    s.check(
+    s.rejects(
         "discard",
         &BlkRequest::new(VIRTIO_BLK_T_DISCARD, 0).data(Buf::Out(dwz_segment(0, 8, 0))),
         Expect::IoErr,
+        "read_only",
     );
-    s.check(
+    s.rejects(
         "write-zeroes",
         &BlkRequest::new(VIRTIO_BLK_T_WRITE_ZEROES, 0).data(Buf::Out(dwz_segment(0, 8, 0))),
         Expect::IoErr,
+        "read_only",
     );
     s.check("read", &read_req(0, 4096), Expect::Ok);
     s.check(
@@ -766,22 +916,34 @@ fn get_id_returns_the_serial() {
         Expect::Ok,
     );
     assert_eq!(r.data.concat(), want, "serial across two buffers");
-    let r = s.check("GET_ID into 10 bytes", &id(Buf::In(10)), Expect::IoErr);
+    let r = s.rejects(
+        "GET_ID into 10 bytes",
+        &id(Buf::In(10)),
+        Expect::IoErr,
+        "get_id_too_small",
+    );
     assert_eq!(
         r.data[0],
         vec![0xaa; 10],
         "a too-small GET_ID buffer was written"
     );
-    s.check("GET_ID into 19 bytes", &id(Buf::In(19)), Expect::IoErr);
-    s.check(
+    s.rejects(
+        "GET_ID into 19 bytes",
+        &id(Buf::In(19)),
+        Expect::IoErr,
+        "get_id_too_small",
+    );
+    s.rejects(
         "GET_ID without a buffer",
         &BlkRequest::new(VIRTIO_BLK_T_GET_ID, 0),
         Expect::IoErr,
+        "get_id_too_small",
     );
-    s.check(
+    s.rejects(
         "GET_ID with a device-readable buffer",
         &id(Buf::Out(vec![0; 20])),
         Expect::IoErr,
+        "get_id_too_small",
     );
     s.finish(Some(10));
 }
