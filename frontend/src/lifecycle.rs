@@ -19,7 +19,9 @@
 
 use std::io;
 use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use blkplane_lock::lock;
 
 use blkplane_proto::v1::Drained;
 use log::{info, warn};
@@ -149,10 +151,6 @@ pub(crate) fn sync_image(image: &Image) -> io::Result<bool> {
         Image::File(file) => file.buffered.sync_data().map(|()| true),
         Image::Null { .. } => Ok(false),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Drains and resumes the device; what the admin channel's Drain and Resume run.

@@ -64,5 +64,5 @@ fn peek_backend_channel(socket: RawFd, channel: &BackendChannel) -> Result<Peeke
 /// The device, also after a thread panicked while holding it (its state is still the last
 /// one a handler left, which the next message or the disconnect reset deals with).
 pub fn lock(backend: &Mutex<BlkBackend>) -> MutexGuard<'_, BlkBackend> {
-    backend.lock().unwrap_or_else(|p| p.into_inner())
+    blkplane_lock::lock(backend)
 }

@@ -183,7 +183,7 @@ impl Spawner {
             let bytes: &[u8; CPU_SET_LEN] = unsafe { &*(set as *const libc::cpu_set_t).cast() };
             request[8..].copy_from_slice(bytes);
         }
-        let socket = self.socket.lock().unwrap_or_else(|p| p.into_inner());
+        let socket = blkplane_lock::lock(&self.socket);
         socket
             .send_with_fds(&[&request[..]], &[control])
             .map_err(|e| SpawnerError::Channel(io::Error::from_raw_os_error(e.errno())))?;

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use blkplane_lock::lock;
+
 use crate::rejection::RejectReason;
 use blkplane_proto::ring::Opcode;
 
@@ -208,36 +210,23 @@ impl DeviceStatus {
 
     /// Records how a replaced iothread had ended.
     pub fn set_last_iothread_exit(&self, how: String) {
-        *self
-            .last_iothread_exit
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = how;
+        *lock(&self.last_iothread_exit) = how;
     }
 
     /// How the iothread replaced last had ended; empty if none was.
     pub fn last_iothread_exit(&self) -> String {
-        self.last_iothread_exit
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.last_iothread_exit).clone()
     }
 
     /// Replaces blkplaned's list of migration blockers.
     pub fn set_migration_blockers(&self, reasons: Vec<String>) {
-        *self
-            .migration_blockers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = reasons;
+        *lock(&self.migration_blockers) = reasons;
     }
 
     /// Every reason dirty logging must be refused now: blkplaned's list, then the frontend's
     /// own (it is drained) unless blkplaned already gave the same reason.
     pub fn migration_blockers(&self) -> Vec<String> {
-        let mut all = self
-            .migration_blockers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let mut all = lock(&self.migration_blockers).clone();
         let mut own = Vec::new();
         if self.drained.load(Ordering::Relaxed) {
             own.push("draining: the disk is drained until it is resumed".to_string());
