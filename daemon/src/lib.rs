@@ -22,6 +22,7 @@
 //! | [`events`] | the WatchEvents broadcast |
 //! | [`migration`] | migration blockers (automatic and the operator's) |
 //! | [`throttle`] | I/O limits and throttle groups: member indices, group files, what a frontend is sent |
+//! | [`stats`] | a frontend's per-queue statistics added up (GetStats `total`) |
 //! | [`sync`] | the poison-ignoring lock every module takes |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
 //! | [`metrics`] | the `--metrics-listen` HTTP endpoint: Prometheus metrics, `/healthz`, `/readyz` |
@@ -42,6 +43,7 @@ pub mod server;
 pub mod service;
 pub mod settings;
 pub mod state;
+pub mod stats;
 pub mod supervisor;
 pub mod sync;
 pub mod throttle;

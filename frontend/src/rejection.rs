@@ -1,8 +1,8 @@
 //! The rules a request can break, one name each: the frontend counts rejections by rule (as
 //! Firecracker's block device keeps a named counter per failure), logs the name, and
 //! blkplaned exports it as the `reason` label of `blkplane_queue_rejected_total`. Which error
-//! maps to which rule is [`crate::request`]'s; this module only names and numbers them, so
-//! that the counters (`crate::stats`) need not know the parser.
+//! maps to which rule is the parser's (`request.rs`); this module only names and numbers the
+//! rules, so that the counters (`stats.rs`) need not know the parser.
 
 macro_rules! reasons {
     ($($(#[doc = $doc:literal])* $variant:ident => $name:literal,)*) => {
