@@ -341,8 +341,11 @@ fn ctl_command() -> String {
 fn banner(api: &str, listen: &Listen, disks: &[Disk]) -> String {
     let ctl = match listen {
         Listen::Unix(p) => format!("{} --socket {}", ctl_command(), p.display()),
-        // blkplanectl speaks to a UNIX socket; over TCP use a gRPC client with certificates.
-        Listen::Tcp { .. } => ctl_command(),
+        // The client's certificate is not blkplaned's to name: placeholders.
+        Listen::Tcp { addr, .. } => format!(
+            "{} --endpoint tcp:{addr} --tls-ca CA.pem --tls-cert CLIENT.pem --tls-key CLIENT.key",
+            ctl_command()
+        ),
     };
     let mut out = format!("blkplaned: serving {} disk(s); API on {api}\n", disks.len());
     if disks.is_empty() {

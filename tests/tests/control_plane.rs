@@ -608,6 +608,58 @@ fn completions_and_listen_rules() {
         .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("blkplanectl"));
+    // The global options mean nothing to `completions`: not offered there, refused if given,
+    // offered to the commands that connect (before and after them).
+    let run = |args: &[&str]| {
+        Command::new(&binaries().blkplanectl)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let globals = [
+        "--socket",
+        "--endpoint",
+        "--tls-ca",
+        "--tls-cert",
+        "--tls-key",
+        "--timeout",
+        "--output",
+    ];
+    let help = String::from_utf8_lossy(&run(&["completions", "--help"]).stdout).into_owned();
+    assert!(help.contains("<SHELL>"), "{help}");
+    for option in globals {
+        assert!(
+            !help.contains(option),
+            "completions --help offers {option}:\n{help}"
+        );
+    }
+    for command in [
+        &["disk", "list", "--help"][..],
+        &["--help"],
+        &["health", "--help"],
+    ] {
+        let help = String::from_utf8_lossy(&run(command).stdout).into_owned();
+        for option in globals {
+            assert!(help.contains(option), "{command:?} lacks {option}:\n{help}");
+        }
+    }
+    for (args, option) in [
+        (&["completions", "bash", "--timeout", "5"][..], "--timeout"),
+        (
+            &["--socket", "/s", "completions", "bash"],
+            "--socket means nothing to `completions`",
+        ),
+        (
+            &["-o", "json", "completions", "bash"],
+            "--output means nothing to `completions`",
+        ),
+    ] {
+        let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(option), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
     let dir = TempDir::new("cptls");
     let out = Command::new(&binaries().blkplaned)
         .args(["--state-dir", dir.join("s").to_str().unwrap()])
@@ -633,6 +685,122 @@ fn completions_and_listen_rules() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach blkplaned"));
+}
+
+/// blkplanectl reaches a blkplaned that serves only TCP with mutual TLS: with the CA and a
+/// client certificate the calls are served; without the client's options blkplanectl names
+/// what is missing, with a certificate of another CA it says that the TLS handshake refused
+/// it, and TLS options with a UNIX socket, or `--socket` with `--endpoint`, are refused.
+#[test]
+fn blkplanectl_over_tcp_with_mutual_tls() {
+    use blkplane_tests::tls::{free_port, make_test_certs, server_options};
+    let certs = TempDir::new("cptls-certs");
+    let c = certs.path();
+    make_test_certs(c);
+    let port = free_port();
+    let p = |f: &str| c.join(f).to_str().unwrap().to_string();
+    let endpoint = format!("tcp:127.0.0.1:{port}");
+    let (ca, cert, key) = (p("server-ca.pem"), p("client.pem"), p("client.key"));
+    // blkplanectl's options for `endpoint` with these files.
+    let tls = |ca: &str, cert: &str, key: &str| {
+        [
+            "--endpoint",
+            &endpoint,
+            "--tls-ca",
+            ca,
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+        ]
+        .map(String::from)
+    };
+    let reach = tls(&ca, &cert, &key);
+    let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
+    let server = server_options(c, port);
+    let server: Vec<&str> = server.iter().map(String::as_str).collect();
+    let d = Daemon::start_reached_by("cptcp", &server, Some(&reach));
+    assert!(d.ctl_json(&["disk", "list"]).arr().is_empty());
+    let version = d.ctl_ok(&["version"]);
+    assert!(version.contains("blkplaned "), "{version}");
+    // The banner says how to reach it.
+    let hint = format!("--endpoint {endpoint} --tls-ca CA.pem --tls-cert CLIENT.pem");
+    assert!(
+        wait_for(TIMEOUT, || d.log_text().contains(&hint).then_some(())).is_some(),
+        "{}",
+        d.log_text()
+    );
+    // The options after the command, and the endpoint from the environment.
+    let out = Command::new(&binaries().blkplanectl)
+        .args(["disk", "list", "--tls-ca", &ca, "--tls-cert", &cert])
+        .args(["--tls-key", &key])
+        .env("BLKPLANE_ENDPOINT", &endpoint)
+        .env_remove("BLKPLANE_SOCKET")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+
+    let ctl = |args: &[String]| {
+        let out = Command::new(&binaries().blkplanectl)
+            .args(args)
+            .args(["--timeout", "10", "disk", "list"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running blkplanectl");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = ctl(&tls(&ca, &cert, &key)[..4]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("needs --tls-cert, --tls-key") && stderr.contains(&endpoint),
+        "{stderr}"
+    );
+    let (code, stderr) = ctl(&tls(&ca, &p("stranger.pem"), &p("stranger.key")));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("TLS handshake was refused by blkplaned")
+            && stderr.contains("client certificate")
+            && stderr.contains(&endpoint),
+        "{stderr}"
+    );
+    // blkplanectl does not trust a server certificate of another CA either.
+    let (code, stderr) = ctl(&tls(&p("other-ca.pem"), &cert, &key));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("TLS handshake failed") && stderr.contains("--tls-ca"),
+        "{stderr}"
+    );
+    let missing = p("missing.key");
+    let (code, stderr) = ctl(&tls(&ca, &cert, &missing));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--tls-key {missing}: ")),
+        "{stderr}"
+    );
+    let (code, stderr) =
+        ctl(&["--endpoint", "unix:/nonexistent.sock", "--tls-cert", &cert].map(String::from));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--tls-cert apply to tcp: endpoints only"),
+        "{stderr}"
+    );
+    let (code, stderr) = ctl(&["--socket", "/s", "--endpoint", &endpoint].map(String::from));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--socket") && stderr.contains("--endpoint"),
+        "{stderr}"
+    );
+    // Nothing listening: named as the TCP endpoint it is.
+    drop(d);
+    let (code, stderr) = ctl(&tls(&ca, &cert, &key));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot reach blkplaned at {endpoint}")),
+        "{stderr}"
+    );
 }
 
 /// blkplanectl at a socket that is not blkplaned's, or that never answers: a disk's admin
