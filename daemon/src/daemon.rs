@@ -16,6 +16,7 @@ use log::warn;
 use thiserror::Error;
 
 use crate::admin::{self, AdminError};
+use crate::disk_log::DiskLogLimit;
 use crate::events::EventBus;
 use crate::frontend;
 use crate::migration::{self};
@@ -58,6 +59,8 @@ pub struct Config {
     pub start_timeout: Duration,
     /// How often running frontends are polled for VMM connects and disconnects.
     pub poll_interval: Duration,
+    /// The size cap of each disk's log, checked at every poll.
+    pub disk_log: DiskLogLimit,
 }
 
 /// Failed operations. Each maps to one gRPC status code (see `service.rs`).

@@ -803,6 +803,68 @@ fn blkplanectl_over_tcp_with_mutual_tls() {
     );
 }
 
+/// A disk's log is capped: with `--disk-log-max-bytes 2048 --disk-log-keep 2`, a frontend
+/// that logs tens of KiB (two lines per VMM connection) keeps a log within the cap and what
+/// one slow poll lets through, the overflow in ID.log.1 and ID.log.2 and no third copy; the
+/// removal of the disk leaves none of them.
+#[test]
+fn disk_logs_are_capped_and_rotated() {
+    const CAP: u64 = 2048;
+    // What the frontend may write between two polls that rotate (100 ms apart, later on a
+    // loaded machine), at one connection every 10 ms: about 150 bytes each.
+    const SLACK: u64 = 8192;
+    const CONNECTIONS: usize = 400;
+    let d = Daemon::start(
+        "cplog",
+        &["--disk-log-max-bytes", "2048", "--disk-log-keep", "2"],
+    );
+    let dir = TempDir::new("cplogimg");
+    let img = create_image(&dir.join("d.img"), 8 * MIB);
+    let disk = add_disk(&d, "lg", &img, &[]);
+    let socket = socket_of(&disk);
+    let log = PathBuf::from(disk.get("log_path").str());
+    let copy = |n: u32| PathBuf::from(format!("{}.{n}", log.display()));
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let mut largest = 0;
+    for _ in 0..CONNECTIONS {
+        // "VMM connected", then "VMM disconnected: …" once the frontend reads the EOF.
+        drop(std::os::unix::net::UnixStream::connect(&socket).unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+        largest = largest.max(size(&log));
+    }
+    wait_for(TIMEOUT, || copy(2).exists().then_some(())).expect("no second rotated copy");
+    let copies = [size(&copy(1)), size(&copy(2))];
+    assert!(
+        largest <= CAP + SLACK,
+        "the log reached {largest} bytes (copies: {copies:?})"
+    );
+    // Each copy is a log that had just passed the cap.
+    for (n, len) in copies.iter().enumerate() {
+        assert!(
+            *len > CAP && *len <= CAP + SLACK,
+            "{}: {len} bytes",
+            copy(n as u32 + 1).display()
+        );
+    }
+    assert!(!copy(3).exists(), "a third copy with --disk-log-keep 2");
+    let text = String::from_utf8_lossy(&std::fs::read(copy(1)).unwrap()).into_owned();
+    assert!(
+        text.contains("VMM connected") && text.contains("VMM disconnected"),
+        "{text}"
+    );
+    // The frontend logs on at the start of the emptied file: its fd is O_APPEND. (One at its
+    // old offset would leave a hole of zeros.)
+    for p in [log.clone(), copy(1), copy(2)] {
+        let bytes = std::fs::read(&p).unwrap();
+        assert!(!bytes.contains(&0), "{} has a hole", p.display());
+    }
+    eprintln!("largest log {largest} bytes, copies {copies:?}");
+    let files = d.runtime_files();
+    assert!(files.contains(&"lg.log.1".to_string()), "{files:?}");
+    d.ctl_ok(&["disk", "remove", "lg"]);
+    assert_eq!(d.runtime_files(), Vec::<String>::new());
+}
+
 /// blkplanectl at a socket that is not blkplaned's, or that never answers: a disk's admin
 /// socket is refused by name before anything is sent, a disk's vhost-user socket is said to give
 /// no gRPC answer (and the disk serves on), and a silent socket ends at `--timeout` with

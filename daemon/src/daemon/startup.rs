@@ -55,6 +55,7 @@ impl Daemon {
             poll_interval: config.poll_interval,
             throttle_dir,
             disk_user: config.disk_user,
+            disk_log: config.disk_log,
             can_run_as: validate::can_run_disks_as_other_users(),
         });
         let daemon = Arc::new(Daemon {
@@ -152,6 +153,13 @@ impl Daemon {
                     Some((id, _)) if !wanted.contains(id) => {
                         orphans.insert(id.to_string());
                     }
+                    // A rotated copy of a log: the disk's if it is wanted, else an orphan's.
+                    None => match paths::split_rotated_log_name(&name) {
+                        Some(id) if !wanted.contains(id) => {
+                            orphans.insert(id.to_string());
+                        }
+                        _ => {}
+                    },
                     _ => {}
                 }
             }
