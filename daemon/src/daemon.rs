@@ -203,9 +203,13 @@ impl Daemon {
         State {
             disks: disks
                 .values()
-                .map(|d| StoredDisk {
-                    spec: d.config(),
-                    lifecycle: d.runtime().lifecycle,
+                .map(|d| {
+                    let rt = d.runtime();
+                    StoredDisk {
+                        spec: d.config(),
+                        lifecycle: rt.lifecycle,
+                        frontend_restarts: rt.restarts,
+                    }
                 })
                 .collect(),
             ..State::default()
@@ -409,6 +413,7 @@ impl Daemon {
         state.disks.push(StoredDisk {
             spec: spec.clone(),
             lifecycle: lifecycle.clone(),
+            frontend_restarts: 0,
         });
         state.disks.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
         if let Err(e) = self.store.save(&state) {
@@ -424,6 +429,7 @@ impl Daemon {
         let handle = DiskHandle::spawn(
             spec.clone(),
             lifecycle,
+            0,
             Arc::clone(&self.settings),
             self.events.clone(),
             Initial::Running(Box::new(started)),

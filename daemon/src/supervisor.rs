@@ -92,11 +92,12 @@ pub struct DiskHandle {
 }
 
 impl DiskHandle {
-    /// Starts supervising a disk with its persisted `lifecycle`; the task runs until
-    /// [`DiskHandle::stop`].
+    /// Starts supervising a disk with its persisted `lifecycle` and frontend `restarts` so
+    /// far; the task runs until [`DiskHandle::stop`].
     pub fn spawn(
         mut spec: DiskSpec,
         lifecycle: DiskLifecycle,
+        restarts: u32,
         settings: Arc<Settings>,
         events: EventBus,
         initial: Initial,
@@ -124,7 +125,7 @@ impl DiskHandle {
                 state,
                 reason: String::new(),
                 pid,
-                restarts: 0,
+                restarts,
                 status,
                 lifecycle,
                 restarted_unix_ms: 0,

@@ -865,6 +865,61 @@ fn disk_logs_are_capped_and_rotated() {
     assert_eq!(d.runtime_files(), Vec::<String>::new());
 }
 
+/// The frontend restart count survives blkplaned: a frontend SIGKILLed once is restarted
+/// (count 1, written to state.json), and a blkplaned SIGKILLed or stopped with SIGTERM and
+/// started again on the same directories adopts the new frontend and still says 1; the next
+/// crash makes it 2.
+#[test]
+fn restart_counts_survive_blkplaned() {
+    let mut d = Daemon::start("cprestarts", &[]);
+    let dir = TempDir::new("cprestartsimg");
+    let img = create_image(&dir.join("d.img"), 8 * MIB);
+    let first = add_disk(&d, "rc", &img, &[]).get("frontend_pid").u64() as u32;
+    let path = d.state_dir.join("state.json");
+    let state_says = |n: u64| {
+        let want = format!("\"frontend_restarts\": {n}");
+        wait_for(TIMEOUT, || {
+            std::fs::read_to_string(&path)
+                .is_ok_and(|t| t.contains(&want))
+                .then_some(())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "state.json does not say {want}: {}",
+                std::fs::read_to_string(&path).unwrap_or_default()
+            )
+        })
+    };
+    let crash = |d: &Daemon, pid: u32, count: u64| {
+        kill(pid, libc::SIGKILL);
+        let j = d.wait_disk("rc", "restarted", |j| {
+            j.get("state").str() == "ready" && j.get("frontend_pid").u64() as u32 != pid
+        });
+        assert_eq!(j.get("restarts").u64(), count, "{j:?}");
+        j.get("frontend_pid").u64() as u32
+    };
+    let second = crash(&d, first, 1);
+    state_says(1);
+    for how in ["SIGKILL", "SIGTERM"] {
+        if how == "SIGKILL" {
+            d.kill9();
+        } else {
+            d.stop();
+        }
+        d.spawn();
+        let j = d.wait_disk("rc", "adopted", |j| j.get("state").str() == "ready");
+        assert_eq!(
+            j.get("frontend_pid").u64() as u32,
+            second,
+            "not adopted after {how}"
+        );
+        assert_eq!(j.get("restarts").u64(), 1, "after {how}: {j:?}");
+    }
+    crash(&d, second, 2);
+    state_says(2);
+    d.ctl_ok(&["disk", "remove", "rc"]);
+}
+
 /// blkplanectl at a socket that is not blkplaned's, or that never answers: a disk's admin
 /// socket is refused by name before anything is sent, a disk's vhost-user socket is said to give
 /// no gRPC answer (and the disk serves on), and a silent socket ends at `--timeout` with
