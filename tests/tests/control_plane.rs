@@ -9,7 +9,11 @@
 //! - a frontend killed with SIGKILL: restarted on the same socket, a new client verifies the
 //!   data;
 //! - a disk resized, the new capacity seen by a new client;
-//! - a crash loop marks a disk failed;
+//! - a crash loop marks a disk failed; the frontend restart count survives a blkplaned
+//!   restart (SIGKILL and SIGTERM);
+//! - blkplanectl over TCP with mutual TLS, and the refusals of missing or foreign
+//!   certificates;
+//! - a disk's log capped and rotated (copytruncate), the copies removed with the disk;
 //! - every kind of bad input refused with its status code and the field's name, leaving no
 //!   process, socket or state entry behind;
 //! - drain and resume under QD-8 writes (nothing completes and the image does not change
@@ -1082,7 +1086,8 @@ fn second_daemon_on_the_same_dirs_is_refused() {
 /// A restart of blkplaned with leftovers: a pid file that names an unrelated live process
 /// (the pid was recycled) and a frontend of a disk that is not in the state (blkplaned died
 /// between starting it and persisting it). The unrelated process is left alone and a new
-/// frontend serves the disk; the orphan is stopped and its files removed.
+/// frontend serves the disk; the orphan is stopped and its files removed, with the rotated
+/// logs of ids not in the state (the disk's own are kept).
 #[test]
 fn restart_with_stale_pid_file_and_orphan() {
     let mut d = Daemon::start("cpstale", &[]);
@@ -1116,6 +1121,11 @@ fn restart_with_stale_pid_file_and_orphan() {
     std::fs::write(disks.join("ghost.pid"), format!("{}\n", ghost.id())).unwrap();
     wait_for(TIMEOUT, || disks.join("ghost.admin").exists().then_some(()))
         .expect("the orphan frontend did not start");
+    // Rotated logs: the wanted disk's is kept, those of ids not in the state go, also when
+    // nothing else of the disk is left.
+    for copy in ["a.log.1", "ghost.log.1", "gone.log.1", "gone.log.2"] {
+        std::fs::write(disks.join(copy), "--- an old log\n").unwrap();
+    }
 
     d.spawn();
     let j = d.wait_disk("a", "restarted", |j| {
@@ -1130,8 +1140,8 @@ fn restart_with_stale_pid_file_and_orphan() {
     assert!(!status.success(), "the orphan exited by itself: {status}");
     assert_eq!(
         d.runtime_files(),
-        ["a.admin", "a.log", "a.pid", "a.sock"],
-        "leftovers of the orphan"
+        ["a.admin", "a.log", "a.log.1", "a.pid", "a.sock"],
+        "leftovers of the orphans"
     );
     let _ = sleeper.kill();
     let _ = sleeper.wait();
