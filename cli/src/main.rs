@@ -342,10 +342,11 @@ fn parse_timeout(s: &str) -> Result<f64, String> {
 /// (clap hands a value given at any level to the root's matches, which the derive reads).
 fn command() -> clap::Command {
     let cmd = Args::command();
+    // Under a heading of their own, or they interleave with the command's options.
     let globals: Vec<clap::Arg> = cmd
         .get_arguments()
         .filter(|a| a.is_global_set())
-        .cloned()
+        .map(|a| a.clone().help_heading("Global options"))
         .collect();
     let connected: Vec<String> = cmd
         .get_subcommands()
@@ -781,4 +782,59 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
         Cmd::Completions { .. } | Cmd::Health { .. } => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        let matches = command().try_get_matches_from(argv)?;
+        Args::from_arg_matches(&matches)
+    }
+
+    #[test]
+    fn global_options_everywhere_but_completions() {
+        let mut cmd = command();
+        cmd.build();
+        let longs = |c: &clap::Command| -> Vec<String> {
+            c.get_arguments()
+                .filter_map(|a| a.get_long().map(str::to_string))
+                .collect()
+        };
+        let completions = cmd.find_subcommand("completions").unwrap();
+        assert_eq!(longs(completions), ["help"]);
+        let list = cmd
+            .find_subcommand("disk")
+            .and_then(|d| d.find_subcommand("list"))
+            .unwrap();
+        let globals = [
+            "socket", "endpoint", "tls-ca", "tls-cert", "tls-key", "output",
+        ];
+        for long in globals.iter().chain(&["timeout"]) {
+            assert!(
+                longs(list).iter().any(|l| l == long),
+                "disk list lacks --{long}"
+            );
+        }
+        // Before the command or after it, the derive reads them.
+        let a = parse(&[
+            "blkplanectl",
+            "disk",
+            "list",
+            "-o",
+            "json",
+            "--timeout",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!((a.output, a.timeout), (Format::Json, 3.0));
+        let a = parse(&["blkplanectl", "--socket", "/s", "-o", "json", "version"]).unwrap();
+        assert_eq!(a.connect.socket, Some(PathBuf::from("/s")));
+        assert_eq!(a.output, Format::Json);
+        let a = parse(&["blkplanectl", "stats"]).unwrap();
+        assert_eq!((a.output, a.timeout), (Format::Table, 90.0));
+        let e = parse(&["blkplanectl", "completions", "bash", "--socket", "/s"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
+    }
 }
