@@ -4,6 +4,7 @@
 //! message, with the gRPC status code, goes to stderr), 2 for a command-line error. `health`
 //! exits 1 also when blkplaned answers with any status but SERVING.
 
+mod connect;
 mod limits;
 mod output;
 mod text;
@@ -13,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use blkplane_api::names::ADMIN_SOCKET_SUFFIX;
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
@@ -21,24 +21,20 @@ use blkplane_api::pb::{
     MigrationStatus, RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest,
     ResumeDiskRequest, ThrottleConfig, WatchEventsRequest,
 };
-use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use connect::{ConnectArgs, ConnectError, Target};
 use serde_json::{json, Value};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-
-/// Where blkplanectl looks for blkplaned without --socket and BLKPLANE_SOCKET: the control
-/// socket of a blkplaned started with its embedded default in the same directory.
-const DEFAULT_SOCKET: &str = "blkplane-run/control.sock";
 
 /// Command-line client of blkplaned, blkplane's control plane.
 #[derive(Debug, Parser)]
 #[command(name = "blkplanectl", version = blkplane_build_info::VERSION)]
 struct Args {
-    /// blkplaned's control socket [env: BLKPLANE_SOCKET; default: ./blkplane-run/control.sock]
-    #[arg(long, global = true, value_name = "PATH")]
-    socket: Option<PathBuf>,
+    #[command(flatten)]
+    connect: ConnectArgs,
     /// Output format.
     #[arg(short = 'o', long = "output", global = true, value_enum, default_value_t = Format::Table)]
     output: Format,
@@ -291,31 +287,43 @@ impl From<tonic::Status> for Failure {
     }
 }
 
+impl From<ConnectError> for Failure {
+    fn from(e: ConnectError) -> Self {
+        Failure::Message(e.to_string())
+    }
+}
+
 impl Failure {
     /// The line for stderr. A call that outlived `--timeout` and a call that got no gRPC answer
     /// (tonic's "Timeout expired", and statuses its transport made from an error) are said as
-    /// what they are, with `socket` named, instead of `CANCELLED` or `UNKNOWN: transport error`.
-    fn describe(self, socket: &Path, timeout: Duration) -> String {
+    /// what they are, with the endpoint named, instead of `CANCELLED` or `UNKNOWN: transport
+    /// error`; so is a TLS handshake that failed at the first call (TLS 1.3 tells a client
+    /// that its certificate was refused only then).
+    /// `refusal` is what [`Target::refusal`] found, if it was asked.
+    fn describe(self, target: &Target, timeout: Duration, refusal: Option<String>) -> String {
         let status = match self {
             Failure::Message(m) => return m,
             Failure::Status(s) => s,
         };
+        let endpoint = &target.address;
         if status.code() == tonic::Code::Cancelled && status.message() == "Timeout expired" {
             return format!(
-                "DEADLINE_EXCEEDED: nothing answered at {} within {timeout:?} (--timeout); a \
-                 change asked for may still happen: check with `blkplanectl disk list`",
-                socket.display()
+                "DEADLINE_EXCEEDED: nothing answered at {endpoint} within {timeout:?} \
+                 (--timeout); a change asked for may still happen: check with `blkplanectl \
+                 disk list`"
             );
         }
         // A status with a source was made by this side's transport from an I/O or HTTP/2
         // error: no gRPC answer came at all.
         if std::error::Error::source(&status).is_some() {
+            let source = std::error::Error::source(&status);
+            if let Some(why) = source.and_then(connect::tls_refusal).or(refusal) {
+                return format!("{endpoint}: {why}");
+            }
             return format!(
-                "no gRPC answer at {} ({}): blkplaned closed the connection, or the socket is \
-                 not blkplaned's (a disk's vhost-user socket?); blkplaned's is \
-                 RUNTIME_DIR/control.sock",
-                socket.display(),
-                status.message()
+                "no gRPC answer at {endpoint} ({}): {}",
+                status.message(),
+                target.not_blkplaned_hint()
             );
         }
         format!("{}: {}", output::code_name(status.code()), status.message())
@@ -331,13 +339,69 @@ fn parse_timeout(s: &str) -> Result<f64, String> {
     )
 }
 
+/// The command line's definition: the derived one, with the global options (where blkplaned
+/// is, `--timeout`, `-o`) kept away from `completions`, which connects to nothing and prints
+/// no table. Clap copies a global option into every subcommand, so they are global only within
+/// each other command's subtree; the root keeps them too, for `blkplanectl --socket S COMMAND`
+/// (clap hands a value given at any level to the root's matches, which the derive reads).
+fn command() -> clap::Command {
+    let cmd = Args::command();
+    // Under a heading of their own, or they interleave with the command's options.
+    let globals: Vec<clap::Arg> = cmd
+        .get_arguments()
+        .filter(|a| a.is_global_set())
+        .map(|a| a.clone().help_heading("Global options"))
+        .collect();
+    let connected: Vec<String> = cmd
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .filter(|name| name != "completions")
+        .collect();
+    let mut cmd = cmd.mut_args(|a| a.global(false));
+    for name in connected {
+        cmd = cmd.mut_subcommand(name, |c| c.args(globals.clone()));
+    }
+    cmd
+}
+
+/// Refuses, as a usage error, a global option given before `completions` (after it, clap
+/// refuses it as an unexpected argument).
+fn refuse_global_options(matches: &clap::ArgMatches) {
+    if !matches!(matches.subcommand(), Some(("completions", _))) {
+        return;
+    }
+    let mut cmd = command();
+    let given = cmd.get_arguments().find(|a| {
+        matches.value_source(a.get_id().as_str()) == Some(clap::parser::ValueSource::CommandLine)
+    });
+    if let Some(long) = given.and_then(|a| a.get_long()).map(str::to_string) {
+        cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            format!("--{long} means nothing to `completions`, which connects to nothing"),
+        )
+        .exit();
+    }
+}
+
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let matches = command().get_matches();
+    refuse_global_options(&matches);
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Cmd::Completions { shell } = args.command {
-        let mut cmd = Args::command();
-        clap_complete::generate(shell, &mut cmd, "blkplanectl", &mut std::io::stdout());
+        // Into a buffer: clap_complete panics on a failed write (a closed pipe), which is not
+        // worth more than the closed pipe itself.
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut command(), "blkplanectl", &mut script);
+        let _ = std::io::stdout().write_all(&script);
         return ExitCode::SUCCESS;
     }
+    let target = match args.connect.target() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("blkplanectl: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -348,54 +412,32 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let socket = socket_path(args.socket.clone());
     let timeout = Duration::from_secs_f64(args.timeout);
-    match runtime.block_on(run(args, &socket, timeout)) {
+    match runtime.block_on(run(args, &target, timeout)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
-            eprintln!("blkplanectl: {}", failure.describe(&socket, timeout));
+            let refusal = match &failure {
+                Failure::Status(s) if std::error::Error::source(s).is_some() => {
+                    runtime.block_on(target.refusal(REFUSAL_TIMEOUT.min(timeout)))
+                }
+                _ => None,
+            };
+            eprintln!(
+                "blkplanectl: {}",
+                failure.describe(&target, timeout, refusal)
+            );
             ExitCode::FAILURE
         }
     }
 }
 
-/// The control socket to use: --socket, BLKPLANE_SOCKET, or the embedded default's.
-fn socket_path(arg: Option<PathBuf>) -> PathBuf {
-    arg.or_else(|| std::env::var_os("BLKPLANE_SOCKET").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET))
-}
+/// How long a failed call's TLS connection is looked into ([`Target::refusal`]): a refusal
+/// comes within a round trip, and a healthy blkplaned never answers the probe.
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long `health` waits for blkplaned's answer (a probe must not hang on a hung daemon;
 /// Kubernetes bounds it too, but a person running it by hand has no such bound).
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
-
-async fn connect(socket: &Path, timeout: Duration) -> Result<Channel, Failure> {
-    let unreachable = |e: &dyn std::fmt::Display| {
-        Failure::Message(format!(
-            "cannot reach blkplaned at {}: {e} (is it running? --socket or BLKPLANE_SOCKET \
-             name its control socket)",
-            socket.display()
-        ))
-    };
-    if !socket.exists() {
-        return Err(unreachable(&"no such socket"));
-    }
-    if socket
-        .file_name()
-        .is_some_and(|n| n.to_string_lossy().ends_with(ADMIN_SOCKET_SUFFIX))
-    {
-        return Err(Failure::Message(format!(
-            "{} is a disk's admin socket (blkplaned's channel to its frontend), not \
-             blkplaned's: --socket names RUNTIME_DIR/control.sock",
-            socket.display()
-        )));
-    }
-    let endpoint = Endpoint::from_shared(format!("unix:{}", socket.display()))
-        .map_err(|e| unreachable(&e))?
-        .connect_timeout(timeout)
-        .timeout(timeout);
-    endpoint.connect().await.map_err(|e| unreachable(&e))
-}
 
 /// `blkplanectl health`: prints the status of `service`; SERVING is success, anything else
 /// a failure (exit status 1).
@@ -465,9 +507,9 @@ fn print_json_line(v: &Value) -> bool {
     writeln!(out, "{v}").and_then(|_| out.flush()).is_ok()
 }
 
-async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure> {
+async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failure> {
     let format = args.output;
-    let channel = connect(socket, timeout).await?;
+    let channel = target.connect(timeout).await?;
     if let Cmd::Health { service } = args.command {
         return health(channel, service, format).await;
     }
@@ -749,4 +791,59 @@ async fn run(args: Args, socket: &Path, timeout: Duration) -> Result<(), Failure
         Cmd::Completions { .. } | Cmd::Health { .. } => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        let matches = command().try_get_matches_from(argv)?;
+        Args::from_arg_matches(&matches)
+    }
+
+    #[test]
+    fn global_options_everywhere_but_completions() {
+        let mut cmd = command();
+        cmd.build();
+        let longs = |c: &clap::Command| -> Vec<String> {
+            c.get_arguments()
+                .filter_map(|a| a.get_long().map(str::to_string))
+                .collect()
+        };
+        let completions = cmd.find_subcommand("completions").unwrap();
+        assert_eq!(longs(completions), ["help"]);
+        let list = cmd
+            .find_subcommand("disk")
+            .and_then(|d| d.find_subcommand("list"))
+            .unwrap();
+        let globals = [
+            "socket", "endpoint", "tls-ca", "tls-cert", "tls-key", "output",
+        ];
+        for long in globals.iter().chain(&["timeout"]) {
+            assert!(
+                longs(list).iter().any(|l| l == long),
+                "disk list lacks --{long}"
+            );
+        }
+        // Before the command or after it, the derive reads them.
+        let a = parse(&[
+            "blkplanectl",
+            "disk",
+            "list",
+            "-o",
+            "json",
+            "--timeout",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!((a.output, a.timeout), (Format::Json, 3.0));
+        let a = parse(&["blkplanectl", "--socket", "/s", "-o", "json", "version"]).unwrap();
+        assert_eq!(a.connect.socket, Some(PathBuf::from("/s")));
+        assert_eq!(a.output, Format::Json);
+        let a = parse(&["blkplanectl", "stats"]).unwrap();
+        assert_eq!((a.output, a.timeout), (Format::Table, 90.0));
+        let e = parse(&["blkplanectl", "completions", "bash", "--socket", "/s"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
+    }
 }

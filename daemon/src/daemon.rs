@@ -16,6 +16,7 @@ use log::warn;
 use thiserror::Error;
 
 use crate::admin::{self, AdminError};
+use crate::disk_log::DiskLogLimit;
 use crate::events::EventBus;
 use crate::frontend;
 use crate::migration::{self};
@@ -58,6 +59,8 @@ pub struct Config {
     pub start_timeout: Duration,
     /// How often running frontends are polled for VMM connects and disconnects.
     pub poll_interval: Duration,
+    /// The size cap of each disk's log, checked at every poll.
+    pub disk_log: DiskLogLimit,
 }
 
 /// Failed operations. Each maps to one gRPC status code (see `service.rs`).
@@ -200,9 +203,13 @@ impl Daemon {
         State {
             disks: disks
                 .values()
-                .map(|d| StoredDisk {
-                    spec: d.config(),
-                    lifecycle: d.runtime().lifecycle,
+                .map(|d| {
+                    let rt = d.runtime();
+                    StoredDisk {
+                        spec: d.config(),
+                        lifecycle: rt.lifecycle,
+                        frontend_restarts: rt.restarts,
+                    }
                 })
                 .collect(),
             ..State::default()
@@ -406,6 +413,7 @@ impl Daemon {
         state.disks.push(StoredDisk {
             spec: spec.clone(),
             lifecycle: lifecycle.clone(),
+            frontend_restarts: 0,
         });
         state.disks.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
         if let Err(e) = self.store.save(&state) {
@@ -421,6 +429,7 @@ impl Daemon {
         let handle = DiskHandle::spawn(
             spec.clone(),
             lifecycle,
+            0,
             Arc::clone(&self.settings),
             self.events.clone(),
             Initial::Running(Box::new(started)),

@@ -1,6 +1,6 @@
 //! A disk's frontend process as blkplaned runs it: its command line, starting it and waiting
 //! until it serves, adopting one that survived a blkplaned restart, killing strays and
-//! sweeping an orphan's files, its pid file and its log.
+//! sweeping an orphan's files, its pid file and its log (with the log's rotated copies).
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -19,6 +19,7 @@ use thiserror::Error;
 use tokio::io::unix::AsyncFd;
 
 use crate::admin::{self};
+use crate::disk_log;
 use crate::paths::{pid_tmp, DiskPaths};
 use crate::state::{DiskSpec, RunAsSpec};
 use crate::throttle;
@@ -272,8 +273,8 @@ fn remove_file(path: &Path) {
     }
 }
 
-/// Removes the files a stopped frontend leaves: its sockets, pid file and log. The
-/// vhost-user socket is only removed if it still is a socket.
+/// Removes the files a stopped frontend leaves: its sockets, pid file, log and the log's
+/// rotated copies. The vhost-user socket is only removed if it still is a socket.
 pub fn remove_files(paths: &DiskPaths) {
     if std::fs::symlink_metadata(&paths.vhost_socket).is_ok_and(|m| m.file_type().is_socket()) {
         remove_file(&paths.vhost_socket);
@@ -282,6 +283,9 @@ pub fn remove_files(paths: &DiskPaths) {
     remove_file(&paths.pid_file);
     remove_file(&pid_tmp(&paths.pid_file));
     remove_file(&paths.log_file);
+    for (_, copy) in disk_log::rotated(&paths.log_file) {
+        remove_file(&copy);
+    }
 }
 
 /// Writes the pid file atomically (temp file and rename), so that a reader never sees half.
@@ -684,6 +688,11 @@ pub async fn sweep_orphan(disks_dir: &Path, id: &str, protected: &BTreeSet<PathB
         pid_tmp(&paths.pid_file),
         paths.log_file.clone(),
     ];
+    files.extend(
+        disk_log::rotated(&paths.log_file)
+            .into_iter()
+            .map(|(_, p)| p),
+    );
     files.extend(vhost);
     for f in files {
         if !protected.contains(&f) {
@@ -772,6 +781,7 @@ mod tests {
             poll_interval: Duration::from_secs(1),
             throttle_dir: PathBuf::from("/run/bp/throttle"),
             disk_user: None,
+            disk_log: crate::disk_log::DiskLogLimit::default(),
             can_run_as: true,
         };
         let mut other_user = spec();
@@ -836,6 +846,7 @@ mod tests {
             poll_interval: Duration::from_millis(100),
             throttle_dir: dir.clone(),
             disk_user: None,
+            disk_log: crate::disk_log::DiskLogLimit::default(),
             can_run_as: false,
         };
         let mut s = spec();

@@ -28,11 +28,13 @@
 //! | [`metrics`] | the `--metrics-listen` HTTP endpoint: Prometheus metrics, `/healthz`, `/readyz` |
 //! | [`runtime`] | what a disk looks like right now (state, pid, restarts, last status) |
 //! | [`paths`] | a disk's files in the runtime directory |
+//! | [`disk_log`] | the size cap of a disk's log: copytruncate rotation |
 
 #![warn(missing_docs)]
 
 pub mod admin;
 pub mod daemon;
+pub mod disk_log;
 pub mod events;
 pub mod frontend;
 pub mod metrics;

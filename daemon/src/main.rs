@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use blkplane_daemon::daemon::{Config, Daemon};
+use blkplane_daemon::disk_log::{self, DiskLogLimit};
 use blkplane_daemon::metrics;
 use blkplane_daemon::pb::{AddDiskRequest, Disk, DiskSettings};
 use blkplane_daemon::server::{self, ApiHealth, Listen};
@@ -88,6 +89,15 @@ struct Args {
     /// How often frontends are polled for VMM connects and disconnects, in milliseconds.
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..))]
     poll_interval_ms: u64,
+    /// Rotate a disk's log (RUNTIME_DIR/disks/ID.log) once it is larger than this many bytes,
+    /// checked at every poll: copied to ID.log.1 (older copies shifted up) and emptied. 0: no
+    /// cap.
+    #[arg(long, value_name = "BYTES", default_value_t = disk_log::DEFAULT_MAX_BYTES)]
+    disk_log_max_bytes: u64,
+    /// How many rotated copies of a disk's log are kept (ID.log.1 the newest; 0: none).
+    #[arg(long, value_name = "N", default_value_t = disk_log::DEFAULT_KEEP,
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    disk_log_keep: u32,
     /// Serve Prometheus metrics (GET /metrics), liveness (GET /healthz) and readiness
     /// (GET /readyz) over plain HTTP on this address, e.g. 0.0.0.0:9090 (port 0: any free
     /// port, logged at start). Off by default.
@@ -233,6 +243,10 @@ async fn run(args: Args) -> Result<(), String> {
         },
         start_timeout: Duration::from_secs(args.start_timeout),
         poll_interval: Duration::from_millis(args.poll_interval_ms),
+        disk_log: DiskLogLimit {
+            max_bytes: args.disk_log_max_bytes,
+            keep: args.disk_log_keep,
+        },
     })
     .await
     .map_err(|e| e.to_string())?;
@@ -344,8 +358,11 @@ fn ctl_command() -> String {
 fn banner(api: &str, listen: &Listen, disks: &[Disk]) -> String {
     let ctl = match listen {
         Listen::Unix(p) => format!("{} --socket {}", ctl_command(), p.display()),
-        // blkplanectl speaks to a UNIX socket; over TCP use a gRPC client with certificates.
-        Listen::Tcp { .. } => ctl_command(),
+        // The client's certificate is not blkplaned's to name: placeholders.
+        Listen::Tcp { addr, .. } => format!(
+            "{} --endpoint tcp:{addr} --tls-ca CA.pem --tls-cert CLIENT.pem --tls-key CLIENT.key",
+            ctl_command()
+        ),
     };
     let mut out = format!("blkplaned: serving {} disk(s); API on {api}\n", disks.len());
     if disks.is_empty() {

@@ -1,6 +1,7 @@
 //! The files of a disk in blkplaned's runtime directory (`RUNTIME_DIR/disks`): the admin
 //! socket, the pid file, the log and the default vhost-user socket, each the disk id and a
-//! suffix, so that a file name alone tells which disk it belongs to.
+//! suffix, so that a file name alone tells which disk it belongs to; and the log's rotated
+//! copies, `ID.log.N`.
 
 use std::path::{Path, PathBuf};
 
@@ -69,6 +70,32 @@ impl DiskPaths {
     }
 }
 
+/// The `n`-th rotated copy of a disk's log (`ID.log.N`, 1 the newest; see `disk_log`). Its
+/// name ends with a digit, which no suffix of [`SUFFIXES`] does, so it is never taken for a
+/// file of another disk.
+pub fn rotated_log(log_file: &Path, n: u32) -> PathBuf {
+    let mut name = log_file.as_os_str().to_owned();
+    name.push(format!(".{n}"));
+    PathBuf::from(name)
+}
+
+/// The number N of `file_name` if it is a rotated copy of the log named `log_name`
+/// (`LOG.N`, N from 1, without leading zeros).
+pub fn rotated_number(file_name: &str, log_name: &str) -> Option<u32> {
+    let digits = file_name.strip_prefix(log_name)?.strip_prefix('.')?;
+    if digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The disk id of a rotated log's file name in `RUNTIME_DIR/disks` (`ID.log.N`).
+pub fn split_rotated_log_name(name: &str) -> Option<&str> {
+    let (log, _) = name.rsplit_once('.')?;
+    rotated_number(name, log)?;
+    log.strip_suffix(LOG_SUFFIX).filter(|id| !id.is_empty())
+}
+
 /// The temp file a pid file is written to.
 pub fn pid_tmp(pid_file: &Path) -> PathBuf {
     let mut name = pid_file.as_os_str().to_owned();
@@ -100,5 +127,30 @@ mod tests {
         assert_eq!(split_runtime_name(".sock"), None);
         assert_eq!(split_runtime_name("x.img"), None);
         assert_eq!(pid_tmp(Path::new("/r/x.pid")), PathBuf::from("/r/x.pidtmp"));
+    }
+
+    #[test]
+    fn rotated_log_names() {
+        let log = Path::new("/r/x.log");
+        assert_eq!(rotated_log(log, 2), PathBuf::from("/r/x.log.2"));
+        assert_eq!(rotated_number("x.log.2", "x.log"), Some(2));
+        assert_eq!(rotated_number("x.log.12", "x.log"), Some(12));
+        for not in [
+            "x.log", "x.log.", "x.log.0", "x.log.01", "x.log.1a", "x.logs.1", "y.log.1",
+        ] {
+            assert_eq!(rotated_number(not, "x.log"), None, "{not}");
+        }
+        // A rotated copy is no disk's own file, and names the disk whose log it copies, also
+        // for ids that look like file names themselves.
+        assert_eq!(split_runtime_name("x.log.1"), None);
+        assert_eq!(split_rotated_log_name("x.log.1"), Some("x"));
+        assert_eq!(split_rotated_log_name("a.log.1.log.3"), Some("a.log.1"));
+        assert_eq!(
+            split_runtime_name("a.log.1.log"),
+            Some(("a.log.1", LOG_SUFFIX))
+        );
+        for not in ["x.log", ".log.1", "x.sock.1", "x.log.0", "x.1"] {
+            assert_eq!(split_rotated_log_name(not), None, "{not}");
+        }
     }
 }

@@ -15,7 +15,8 @@ pub struct Runtime {
     pub reason: String,
     /// The frontend's pid, 0 when none runs.
     pub pid: u32,
-    /// Frontend starts by this blkplaned after the first one.
+    /// Frontend starts after the disk's first one (AddDisk's), persisted in the state so that
+    /// they are counted across restarts of blkplaned.
     pub restarts: u32,
     /// The last status the frontend reported.
     pub status: Option<FrontendStatus>,

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::disk_log::DiskLogLimit;
 use crate::state::{DiskSpec, RunAsSpec};
 
 /// When to give up on a crashing frontend, and how long to wait between restarts.
@@ -60,6 +61,8 @@ pub struct Settings {
     pub throttle_dir: PathBuf,
     /// The user of disks whose configuration names none (blkplaned's `--disk-user`).
     pub disk_user: Option<RunAsSpec>,
+    /// The size cap of each disk's log (`--disk-log-max-bytes`, `--disk-log-keep`).
+    pub disk_log: DiskLogLimit,
     /// Whether blkplaned may run frontends as other users (see
     /// [`crate::validate::can_run_disks_as_other_users`]).
     pub can_run_as: bool,

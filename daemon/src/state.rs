@@ -268,9 +268,9 @@ pub struct DiskLifecycle {
     pub throttle: ThrottleSetting,
 }
 
-/// One disk in the state file: its configuration and its lifecycle settings, side by side in
-/// one JSON object (a file written before the lifecycle existed reads as not drained, not
-/// blocked).
+/// One disk in the state file: its configuration, its lifecycle settings and its frontend
+/// restart count, side by side in one JSON object (a file written before the lifecycle
+/// existed reads as not drained, not blocked; one written before the count was kept, as 0).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredDisk {
     /// The configuration.
@@ -279,6 +279,12 @@ pub struct StoredDisk {
     /// Drained, operator blockers.
     #[serde(flatten)]
     pub lifecycle: DiskLifecycle,
+    /// How often blkplaned started the disk's frontend again (`Runtime::restarts`), kept so
+    /// that the count (and `blkplane_disk_frontend_restarts_total`) survives a restart of
+    /// blkplaned. Not the operator's setting, so not in the lifecycle: a failed lifecycle
+    /// change, which is undone, must not undo a count.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub frontend_restarts: u32,
 }
 
 /// The content of the state file.
@@ -470,6 +476,7 @@ mod tests {
         StoredDisk {
             spec: spec(id),
             lifecycle: DiskLifecycle::default(),
+            frontend_restarts: 0,
         }
     }
 
@@ -569,8 +576,33 @@ mod tests {
         std::fs::write(store.path(), old).unwrap();
         let loaded = store.load().unwrap();
         assert_eq!(loaded.disks[0].lifecycle, DiskLifecycle::default());
+        assert_eq!(loaded.disks[0].frontend_restarts, 0);
         assert_eq!(loaded.disks[0].spec.id, "x");
         assert_eq!(loaded.disks[0].spec.incoming_for, None);
+    }
+
+    /// Saves `disks`, checks that they load back as saved, and returns the file's text.
+    fn saved_text(store: &StateStore, disks: Vec<StoredDisk>) -> String {
+        let state = State {
+            version: STATE_VERSION,
+            disks,
+        };
+        store.save(&state).unwrap();
+        assert_eq!(store.load().unwrap(), state);
+        std::fs::read_to_string(store.path()).unwrap()
+    }
+
+    #[test]
+    fn restart_counts_are_stored() {
+        let scratch = blkplane_tests::TempDir::new("restarts");
+        let store = StateStore::new(scratch.path());
+        let mut a = stored("a");
+        a.frontend_restarts = 3;
+        let text = saved_text(&store, vec![a, stored("b")]);
+        // Written for the disk that has restarts only (an old file without it: see
+        // `lifecycle_is_stored_beside_the_config`).
+        assert!(text.contains("\"frontend_restarts\": 3"), "{text}");
+        assert_eq!(text.matches("frontend_restarts").count(), 1, "{text}");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, AdminError};
+use crate::disk_log;
 use crate::events::EventBus;
 use crate::frontend::{
     adopt, kill_strays, note_in_log, remove_files, start_throttled, wait_iothreads_gone, Frontend,
@@ -91,11 +92,12 @@ pub struct DiskHandle {
 }
 
 impl DiskHandle {
-    /// Starts supervising a disk with its persisted `lifecycle`; the task runs until
-    /// [`DiskHandle::stop`].
+    /// Starts supervising a disk with its persisted `lifecycle` and frontend `restarts` so
+    /// far; the task runs until [`DiskHandle::stop`].
     pub fn spawn(
         mut spec: DiskSpec,
         lifecycle: DiskLifecycle,
+        restarts: u32,
         settings: Arc<Settings>,
         events: EventBus,
         initial: Initial,
@@ -123,7 +125,7 @@ impl DiskHandle {
                 state,
                 reason: String::new(),
                 pid,
-                restarts: 0,
+                restarts,
                 status,
                 lifecycle,
                 restarted_unix_ms: 0,
@@ -502,6 +504,7 @@ async fn supervise(
                 how = fe.wait() => break how,
                 _ = tokio::time::sleep(settings.poll_interval) => {
                     poll(&disk).await;
+                    cap_log(&disk, &settings).await;
                 }
             }
         };
@@ -599,6 +602,25 @@ async fn poll(disk: &DiskHandle) {
             debug!("disk {}: status: {e}", disk.spec.id);
             disk.update(|rt| rt.reason = format!("status unavailable: {e}"));
         }
+    }
+}
+
+/// Rotates the disk's log if it grew past its cap (see `disk_log`); the copy runs off the
+/// async workers, as it may be megabytes.
+async fn cap_log(disk: &DiskHandle, settings: &Settings) {
+    if !disk_log::over(&disk.paths.log_file, &settings.disk_log) {
+        return;
+    }
+    let log = disk.paths.log_file.clone();
+    let limit = settings.disk_log;
+    match tokio::task::spawn_blocking(move || disk_log::rotate_if_over(&log, &limit)).await {
+        Ok(Ok(rotated)) => {
+            if rotated {
+                debug!("disk {}: log rotated", disk.spec.id);
+            }
+        }
+        Ok(Err(e)) => warn!("disk {}: rotating the log: {e}", disk.spec.id),
+        Err(e) => warn!("disk {}: rotating the log: {e}", disk.spec.id),
     }
 }
 

@@ -5,10 +5,10 @@
 //!
 //! The tests that add no disk need no frontend (`--frontend-binary /bin/true`); the incoming
 //! tests run the real `blkplane-frontend`, built by the e2e harness (`blkplane_tests`). The
-//! TLS test makes its certificates with the `openssl` command.
+//! TLS test makes its certificates with the `openssl` command (`blkplane_tests::tls`).
 
+use blkplane_tests::tls::{free_port, make_test_certs, server_options};
 use blkplane_tests::TempDir;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -191,82 +191,6 @@ async fn health_and_reflection() {
     assert!(disks.is_empty());
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("running openssl (install the openssl package)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Makes a CA and a certificate signed by it for `name` (with `san` as subjectAltName).
-fn make_certs(dir: &Path, ca: &str, name: &str, san: &str) {
-    let ext = format!("{name}.ext");
-    std::fs::write(dir.join(&ext), format!("subjectAltName={san}\n")).unwrap();
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN={ca}"),
-            "-keyout",
-            &format!("{ca}.key"),
-            "-out",
-            &format!("{ca}.pem"),
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-subj",
-            &format!("/CN={name}"),
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.csr"),
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &format!("{name}.csr"),
-            "-CA",
-            &format!("{ca}.pem"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-            "-out",
-            &format!("{name}.pem"),
-        ],
-    );
-}
-
 /// Connects through `endpoint` and lists the disks.
 async fn list_disks_through(endpoint: Endpoint) -> Result<(), Box<dyn std::error::Error>> {
     let channel = endpoint.connect().await?;
@@ -280,29 +204,11 @@ async fn list_disks_through(endpoint: Endpoint) -> Result<(), Box<dyn std::error
 async fn tcp_needs_tls_and_a_client_certificate() {
     let dir = TempDir::new("tls");
     let d = dir.path();
-    make_certs(d, "server-ca", "server", "DNS:localhost,IP:127.0.0.1");
-    make_certs(d, "client-ca", "client", "DNS:blkplanectl");
-    make_certs(d, "other-ca", "stranger", "DNS:stranger");
-    // A free port (released again; blkplaned binds it a moment later).
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let p = |f: &str| d.join(f).to_str().unwrap().to_string();
-    let _daemon = start(
-        d,
-        &[
-            "--listen",
-            &format!("tcp:127.0.0.1:{port}"),
-            "--tls-cert",
-            &p("server.pem"),
-            "--tls-key",
-            &p("server.key"),
-            "--tls-client-ca",
-            &p("client-ca.pem"),
-        ],
-    );
+    make_test_certs(d);
+    let port = free_port();
+    let options = server_options(d, port);
+    let options: Vec<&str> = options.iter().map(String::as_str).collect();
+    let _daemon = start(d, &options);
     let read = |f: &str| std::fs::read(d.join(f)).unwrap();
     let endpoint = |identity: Option<(&str, &str)>| {
         let mut tls = ClientTlsConfig::new()

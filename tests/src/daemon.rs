@@ -59,10 +59,12 @@ pub struct Daemon {
     /// `--state-dir`.
     pub state_dir: PathBuf,
     run_dir: PathBuf,
-    socket: PathBuf,
     log: PathBuf,
     /// The command line blkplaned is (re)started with.
     pub args: Vec<String>,
+    /// The blkplanectl options that reach it (`--socket RUNTIME_DIR/control.sock` unless
+    /// [`Daemon::start_reached_by`] said otherwise).
+    pub reach: Vec<String>,
     // Last: the directory goes after everything in it was stopped.
     _dir: TempDir,
 }
@@ -71,6 +73,13 @@ impl Daemon {
     /// Starts blkplaned with private state and runtime directories (named after `tag`),
     /// fast status polls and `extra` arguments, and waits until its API answers.
     pub fn start(tag: &str, extra: &[&str]) -> Daemon {
+        Self::start_reached_by(tag, extra, None)
+    }
+
+    /// [`Daemon::start`] for a blkplaned that blkplanectl reaches with the options `reach`
+    /// (e.g. `--endpoint tcp:…` and the TLS files, for one started with `--listen tcp:…`);
+    /// `None`: its control socket.
+    pub fn start_reached_by(tag: &str, extra: &[&str], reach: Option<&[&str]>) -> Daemon {
         let dir = TempDir::new(tag);
         let state_dir = dir.join("state");
         let run_dir = dir.join("run");
@@ -85,13 +94,17 @@ impl Daemon {
             "100".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
+        let reach = match reach {
+            Some(options) => options.iter().map(|s| s.to_string()).collect(),
+            None => vec!["--socket".into(), socket.to_str().unwrap().into()],
+        };
         let mut d = Daemon {
             child: None,
             log: dir.join("blkplaned.log"),
             state_dir,
             run_dir,
-            socket,
             args,
+            reach,
             _dir: dir,
         };
         d.spawn();
@@ -120,7 +133,7 @@ impl Daemon {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("blkplaned exited at start: {status}\n{}", self.log_text());
             }
-            if self.socket.exists() && self.ctl(&["disk", "list"]).code == Some(0) {
+            if self.ctl(&["disk", "list"]).code == Some(0) {
                 return;
             }
             assert!(
@@ -174,11 +187,17 @@ impl Daemon {
         self.run_dir.join("disks")
     }
 
+    /// blkplanectl with the options that reach this daemon.
+    pub fn ctl_command(&self) -> Command {
+        let mut cmd = Command::new(&binaries().blkplanectl);
+        cmd.args(&self.reach);
+        cmd
+    }
+
     /// Runs blkplanectl against this daemon.
     pub fn ctl(&self, args: &[&str]) -> Out {
-        let out = Command::new(&binaries().blkplanectl)
-            .arg("--socket")
-            .arg(&self.socket)
+        let out = self
+            .ctl_command()
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -331,9 +350,8 @@ pub struct Watcher {
 impl Watcher {
     /// Starts `blkplanectl events` against `d`, collecting every event.
     pub fn start(d: &Daemon) -> Watcher {
-        let mut child = Command::new(&binaries().blkplanectl)
-            .arg("--socket")
-            .arg(&d.socket)
+        let mut child = d
+            .ctl_command()
             .args(["-o", "json", "events"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -26,6 +26,7 @@ pub mod json;
 pub mod qmp;
 pub mod raw;
 pub mod soak;
+pub mod tls;
 pub mod tools;
 pub mod wire;
 

@@ -9,7 +9,11 @@
 //! - a frontend killed with SIGKILL: restarted on the same socket, a new client verifies the
 //!   data;
 //! - a disk resized, the new capacity seen by a new client;
-//! - a crash loop marks a disk failed;
+//! - a crash loop marks a disk failed; the frontend restart count survives a blkplaned
+//!   restart (SIGKILL and SIGTERM);
+//! - blkplanectl over TCP with mutual TLS, and the refusals of missing or foreign
+//!   certificates;
+//! - a disk's log capped and rotated (copytruncate), the copies removed with the disk;
 //! - every kind of bad input refused with its status code and the field's name, leaving no
 //!   process, socket or state entry behind;
 //! - drain and resume under QD-8 writes (nothing completes and the image does not change
@@ -628,6 +632,58 @@ fn completions_and_listen_rules() {
         .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("blkplanectl"));
+    // The global options mean nothing to `completions`: not offered there, refused if given,
+    // offered to the commands that connect (before and after them).
+    let run = |args: &[&str]| {
+        Command::new(&binaries().blkplanectl)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let globals = [
+        "--socket",
+        "--endpoint",
+        "--tls-ca",
+        "--tls-cert",
+        "--tls-key",
+        "--timeout",
+        "--output",
+    ];
+    let help = String::from_utf8_lossy(&run(&["completions", "--help"]).stdout).into_owned();
+    assert!(help.contains("<SHELL>"), "{help}");
+    for option in globals {
+        assert!(
+            !help.contains(option),
+            "completions --help offers {option}:\n{help}"
+        );
+    }
+    for command in [
+        &["disk", "list", "--help"][..],
+        &["--help"],
+        &["health", "--help"],
+    ] {
+        let help = String::from_utf8_lossy(&run(command).stdout).into_owned();
+        for option in globals {
+            assert!(help.contains(option), "{command:?} lacks {option}:\n{help}");
+        }
+    }
+    for (args, option) in [
+        (&["completions", "bash", "--timeout", "5"][..], "--timeout"),
+        (
+            &["--socket", "/s", "completions", "bash"],
+            "--socket means nothing to `completions`",
+        ),
+        (
+            &["-o", "json", "completions", "bash"],
+            "--output means nothing to `completions`",
+        ),
+    ] {
+        let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(option), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
     let dir = TempDir::new("cptls");
     let out = Command::new(&binaries().blkplaned)
         .args(["--state-dir", dir.join("s").to_str().unwrap()])
@@ -653,6 +709,239 @@ fn completions_and_listen_rules() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach blkplaned"));
+}
+
+/// blkplanectl reaches a blkplaned that serves only TCP with mutual TLS: with the CA and a
+/// client certificate the calls are served; without the client's options blkplanectl names
+/// what is missing, with a certificate of another CA it says that the TLS handshake refused
+/// it, and TLS options with a UNIX socket, or `--socket` with `--endpoint`, are refused.
+#[test]
+fn blkplanectl_over_tcp_with_mutual_tls() {
+    use blkplane_tests::tls::{free_port, make_test_certs, server_options};
+    let certs = TempDir::new("cptls-certs");
+    let c = certs.path();
+    make_test_certs(c);
+    let port = free_port();
+    let p = |f: &str| c.join(f).to_str().unwrap().to_string();
+    let endpoint = format!("tcp:127.0.0.1:{port}");
+    let (ca, cert, key) = (p("server-ca.pem"), p("client.pem"), p("client.key"));
+    // blkplanectl's options for `endpoint` with these files.
+    let tls = |ca: &str, cert: &str, key: &str| {
+        [
+            "--endpoint",
+            &endpoint,
+            "--tls-ca",
+            ca,
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+        ]
+        .map(String::from)
+    };
+    let reach = tls(&ca, &cert, &key);
+    let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
+    let server = server_options(c, port);
+    let server: Vec<&str> = server.iter().map(String::as_str).collect();
+    let d = Daemon::start_reached_by("cptcp", &server, Some(&reach));
+    assert!(d.ctl_json(&["disk", "list"]).arr().is_empty());
+    let version = d.ctl_ok(&["version"]);
+    assert!(version.contains("blkplaned "), "{version}");
+    // The banner says how to reach it.
+    let hint = format!("--endpoint {endpoint} --tls-ca CA.pem --tls-cert CLIENT.pem");
+    assert!(
+        wait_for(TIMEOUT, || d.log_text().contains(&hint).then_some(())).is_some(),
+        "{}",
+        d.log_text()
+    );
+    // The options after the command, and the endpoint from the environment.
+    let out = Command::new(&binaries().blkplanectl)
+        .args(["disk", "list", "--tls-ca", &ca, "--tls-cert", &cert])
+        .args(["--tls-key", &key])
+        .env("BLKPLANE_ENDPOINT", &endpoint)
+        .env_remove("BLKPLANE_SOCKET")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+
+    let ctl = |args: &[String]| {
+        let out = Command::new(&binaries().blkplanectl)
+            .args(args)
+            .args(["--timeout", "10", "disk", "list"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running blkplanectl");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = ctl(&tls(&ca, &cert, &key)[..4]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("needs --tls-cert, --tls-key") && stderr.contains(&endpoint),
+        "{stderr}"
+    );
+    let (code, stderr) = ctl(&tls(&ca, &p("stranger.pem"), &p("stranger.key")));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("TLS handshake was refused by blkplaned")
+            && stderr.contains("client certificate")
+            && stderr.contains(&endpoint),
+        "{stderr}"
+    );
+    // blkplanectl does not trust a server certificate of another CA either.
+    let (code, stderr) = ctl(&tls(&p("other-ca.pem"), &cert, &key));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("TLS handshake failed") && stderr.contains("--tls-ca"),
+        "{stderr}"
+    );
+    let missing = p("missing.key");
+    let (code, stderr) = ctl(&tls(&ca, &cert, &missing));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--tls-key {missing}: ")),
+        "{stderr}"
+    );
+    let (code, stderr) =
+        ctl(&["--endpoint", "unix:/nonexistent.sock", "--tls-cert", &cert].map(String::from));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--tls-cert apply to tcp: endpoints only"),
+        "{stderr}"
+    );
+    let (code, stderr) = ctl(&["--socket", "/s", "--endpoint", &endpoint].map(String::from));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--socket") && stderr.contains("--endpoint"),
+        "{stderr}"
+    );
+    // Nothing listening: named as the TCP endpoint it is.
+    drop(d);
+    let (code, stderr) = ctl(&tls(&ca, &cert, &key));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot reach blkplaned at {endpoint}")),
+        "{stderr}"
+    );
+}
+
+/// A disk's log is capped: with `--disk-log-max-bytes 2048 --disk-log-keep 2`, a frontend
+/// that logs tens of KiB (two lines per VMM connection) keeps a log within the cap and what
+/// one slow poll lets through, the overflow in ID.log.1 and ID.log.2 and no third copy; the
+/// removal of the disk leaves none of them.
+#[test]
+fn disk_logs_are_capped_and_rotated() {
+    const CAP: u64 = 2048;
+    // What the frontend may write between two polls that rotate (100 ms apart, later on a
+    // loaded machine), at one connection every 10 ms: about 150 bytes each.
+    const SLACK: u64 = 8192;
+    const CONNECTIONS: usize = 400;
+    let d = Daemon::start(
+        "cplog",
+        &["--disk-log-max-bytes", "2048", "--disk-log-keep", "2"],
+    );
+    let dir = TempDir::new("cplogimg");
+    let img = create_image(&dir.join("d.img"), 8 * MIB);
+    let disk = add_disk(&d, "lg", &img, &[]);
+    let socket = socket_of(&disk);
+    let log = PathBuf::from(disk.get("log_path").str());
+    let copy = |n: u32| PathBuf::from(format!("{}.{n}", log.display()));
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let mut largest = 0;
+    for _ in 0..CONNECTIONS {
+        // "VMM connected", then "VMM disconnected: …" once the frontend reads the EOF.
+        drop(std::os::unix::net::UnixStream::connect(&socket).unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+        largest = largest.max(size(&log));
+    }
+    wait_for(TIMEOUT, || copy(2).exists().then_some(())).expect("no second rotated copy");
+    let copies = [size(&copy(1)), size(&copy(2))];
+    assert!(
+        largest <= CAP + SLACK,
+        "the log reached {largest} bytes (copies: {copies:?})"
+    );
+    // Each copy is a log that had just passed the cap.
+    for (n, len) in copies.iter().enumerate() {
+        assert!(
+            *len > CAP && *len <= CAP + SLACK,
+            "{}: {len} bytes",
+            copy(n as u32 + 1).display()
+        );
+    }
+    assert!(!copy(3).exists(), "a third copy with --disk-log-keep 2");
+    let text = String::from_utf8_lossy(&std::fs::read(copy(1)).unwrap()).into_owned();
+    assert!(
+        text.contains("VMM connected") && text.contains("VMM disconnected"),
+        "{text}"
+    );
+    // The frontend logs on at the start of the emptied file: its fd is O_APPEND. (One at its
+    // old offset would leave a hole of zeros.)
+    for p in [log.clone(), copy(1), copy(2)] {
+        let bytes = std::fs::read(&p).unwrap();
+        assert!(!bytes.contains(&0), "{} has a hole", p.display());
+    }
+    eprintln!("largest log {largest} bytes, copies {copies:?}");
+    let files = d.runtime_files();
+    assert!(files.contains(&"lg.log.1".to_string()), "{files:?}");
+    d.ctl_ok(&["disk", "remove", "lg"]);
+    assert_eq!(d.runtime_files(), Vec::<String>::new());
+}
+
+/// The frontend restart count survives blkplaned: a frontend SIGKILLed once is restarted
+/// (count 1, written to state.json), and a blkplaned SIGKILLed or stopped with SIGTERM and
+/// started again on the same directories adopts the new frontend and still says 1; the next
+/// crash makes it 2.
+#[test]
+fn restart_counts_survive_blkplaned() {
+    let mut d = Daemon::start("cprestarts", &[]);
+    let dir = TempDir::new("cprestartsimg");
+    let img = create_image(&dir.join("d.img"), 8 * MIB);
+    let first = add_disk(&d, "rc", &img, &[]).get("frontend_pid").u64() as u32;
+    let path = d.state_dir.join("state.json");
+    let state_says = |n: u64| {
+        let want = format!("\"frontend_restarts\": {n}");
+        wait_for(TIMEOUT, || {
+            std::fs::read_to_string(&path)
+                .is_ok_and(|t| t.contains(&want))
+                .then_some(())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "state.json does not say {want}: {}",
+                std::fs::read_to_string(&path).unwrap_or_default()
+            )
+        })
+    };
+    let crash = |d: &Daemon, pid: u32, count: u64| {
+        kill(pid, libc::SIGKILL);
+        let j = d.wait_disk("rc", "restarted", |j| {
+            j.get("state").str() == "ready" && j.get("frontend_pid").u64() as u32 != pid
+        });
+        assert_eq!(j.get("restarts").u64(), count, "{j:?}");
+        j.get("frontend_pid").u64() as u32
+    };
+    let second = crash(&d, first, 1);
+    state_says(1);
+    for how in ["SIGKILL", "SIGTERM"] {
+        if how == "SIGKILL" {
+            d.kill9();
+        } else {
+            d.stop();
+        }
+        d.spawn();
+        let j = d.wait_disk("rc", "adopted", |j| j.get("state").str() == "ready");
+        assert_eq!(
+            j.get("frontend_pid").u64() as u32,
+            second,
+            "not adopted after {how}"
+        );
+        assert_eq!(j.get("restarts").u64(), 1, "after {how}: {j:?}");
+    }
+    crash(&d, second, 2);
+    state_says(2);
+    d.ctl_ok(&["disk", "remove", "rc"]);
 }
 
 /// blkplanectl at a socket that is not blkplaned's, or that never answers: a disk's admin
@@ -817,7 +1106,8 @@ fn second_daemon_on_the_same_dirs_is_refused() {
 /// A restart of blkplaned with leftovers: a pid file that names an unrelated live process
 /// (the pid was recycled) and a frontend of a disk that is not in the state (blkplaned died
 /// between starting it and persisting it). The unrelated process is left alone and a new
-/// frontend serves the disk; the orphan is stopped and its files removed.
+/// frontend serves the disk; the orphan is stopped and its files removed, with the rotated
+/// logs of ids not in the state (the disk's own are kept).
 #[test]
 fn restart_with_stale_pid_file_and_orphan() {
     let mut d = Daemon::start("cpstale", &[]);
@@ -851,6 +1141,11 @@ fn restart_with_stale_pid_file_and_orphan() {
     std::fs::write(disks.join("ghost.pid"), format!("{}\n", ghost.id())).unwrap();
     wait_for(TIMEOUT, || disks.join("ghost.admin").exists().then_some(()))
         .expect("the orphan frontend did not start");
+    // Rotated logs: the wanted disk's is kept, those of ids not in the state go, also when
+    // nothing else of the disk is left.
+    for copy in ["a.log.1", "ghost.log.1", "gone.log.1", "gone.log.2"] {
+        std::fs::write(disks.join(copy), "--- an old log\n").unwrap();
+    }
 
     d.spawn();
     let j = d.wait_disk("a", "restarted", |j| {
@@ -865,8 +1160,8 @@ fn restart_with_stale_pid_file_and_orphan() {
     assert!(!status.success(), "the orphan exited by itself: {status}");
     assert_eq!(
         d.runtime_files(),
-        ["a.admin", "a.log", "a.pid", "a.sock"],
-        "leftovers of the orphan"
+        ["a.admin", "a.log", "a.log.1", "a.pid", "a.sock"],
+        "leftovers of the orphans"
     );
     let _ = sleeper.kill();
     let _ = sleeper.wait();

@@ -10,11 +10,13 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use log::{error, info, warn};
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::Receiver;
 
 use crate::events::EventBus;
 use crate::frontend;
 use crate::paths::{self, DiskPaths};
-use crate::pb::DiskState;
+use crate::pb::{DiskState, Event, EventKind};
 use crate::settings::Settings;
 use crate::state::{DirLock, State, StateStore, StoredDisk, ThrottleSetting};
 use crate::supervisor::{DiskHandle, Initial};
@@ -55,6 +57,7 @@ impl Daemon {
             poll_interval: config.poll_interval,
             throttle_dir,
             disk_user: config.disk_user,
+            disk_log: config.disk_log,
             can_run_as: validate::can_run_disks_as_other_users(),
         });
         let daemon = Arc::new(Daemon {
@@ -81,11 +84,22 @@ impl Daemon {
             daemon.settings.poll_interval,
         ));
         let mut disks = lock(&daemon.disks);
-        for StoredDisk { spec, lifecycle } in state.disks {
+        // Subscribed before any supervisor runs, so that no restart goes unwritten.
+        tokio::spawn(persist_restarts(
+            Arc::downgrade(&daemon),
+            daemon.events.subscribe(),
+        ));
+        for StoredDisk {
+            spec,
+            lifecycle,
+            frontend_restarts,
+        } in state.disks
+        {
             let id = spec.id.clone();
             let handle = DiskHandle::spawn(
                 spec,
                 lifecycle,
+                frontend_restarts,
                 Arc::clone(&daemon.settings),
                 daemon.events.clone(),
                 Initial::AdoptOrStart,
@@ -152,6 +166,13 @@ impl Daemon {
                     Some((id, _)) if !wanted.contains(id) => {
                         orphans.insert(id.to_string());
                     }
+                    // A rotated copy of a log: the disk's if it is wanted, else an orphan's.
+                    None => match paths::split_rotated_log_name(&name) {
+                        Some(id) if !wanted.contains(id) => {
+                            orphans.insert(id.to_string());
+                        }
+                        _ => {}
+                    },
                     _ => {}
                 }
             }
@@ -248,6 +269,25 @@ pub(super) fn prepare_throttle(store: &StateStore, state: &mut State, throttle_d
             stale.display()
         );
         throttle::remove_group_file(&stale);
+    }
+}
+
+/// Writes the state whenever a supervisor restarted a frontend (its `restarted` event comes
+/// after the count went up), so that the counts survive blkplaned. A watcher that fell behind
+/// may have missed one: it writes then too.
+pub(super) async fn persist_restarts(daemon: Weak<Daemon>, mut events: Receiver<Event>) {
+    loop {
+        match events.recv().await {
+            Ok(e) if e.kind == EventKind::Restarted as i32 => {}
+            Ok(_) => continue,
+            Err(RecvError::Lagged(_)) => {}
+            Err(RecvError::Closed) => return,
+        }
+        let Some(d) = daemon.upgrade() else { return };
+        let _ops = d.ops.lock().await;
+        if let Err(e) = d.persist() {
+            warn!("persisting the frontend restart counts: {e}");
+        }
     }
 }
 

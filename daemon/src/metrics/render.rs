@@ -229,8 +229,9 @@ impl Collector for Scrape {
 
         let mut f = Family::new(
             "blkplane_disk_frontend_restarts",
-            "Times blkplaned started the disk's frontend again (after a crash or a failed \
-             start), kept across blkplaned restarts in its state.",
+            "Times blkplaned started the disk's frontend again (after a crash, a failed start, \
+             or a blkplaned start that found none to adopt), since the disk was added; kept \
+             in blkplaned's state across its restarts.",
         );
         for d in disks {
             f.add(
