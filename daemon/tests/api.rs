@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use blkplane_daemon::pb::control_client::ControlClient;
 use blkplane_daemon::pb::{DiskSettings, ListDisksRequest};
+use blkplane_tests::daemon::{base_args, KillFrontends};
 use tokio_stream::StreamExt;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -38,10 +39,7 @@ fn start(dir: &Path, extra: &[&str]) -> Daemon {
 /// blkplaned on `dir` with `frontend` as its blkplane-frontend.
 fn start_with(dir: &Path, frontend: &Path, extra: &[&str]) -> Daemon {
     let child = Command::new(env!("CARGO_BIN_EXE_blkplaned"))
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .arg("--runtime-dir")
-        .arg(dir.join("run"))
+        .args(base_args(&dir.join("state"), &dir.join("run")))
         .arg("--frontend-binary")
         .arg(frontend)
         .args(extra)
@@ -268,39 +266,6 @@ use tonic::{Code, Status};
 const TIMEOUT: Duration = Duration::from_secs(20);
 const MIB: u64 = 1 << 20;
 
-/// Kills, on drop, every frontend serving disks of one runtime directory: they outlive
-/// blkplaned by design. Declared after the directory and before the daemon, so that it runs
-/// after the daemon is gone and before the directory is.
-struct KillFrontends(PathBuf);
-
-impl KillFrontends {
-    /// The frontends serving disks of `disks_dir` (by their admin socket; not their
-    /// iothread spawners, which share their command line), sorted.
-    fn pids(&self) -> Vec<u32> {
-        blkplane_procfs::find_processes_with_arg_prefix(&format!(
-            "--admin-socket={}/",
-            self.0.display()
-        ))
-        .into_iter()
-        .filter(|&pid| blkplane_procfs::alive(pid))
-        .filter(|&pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|comm| comm.trim_end() != "blkplane-spawn")
-        })
-        .collect()
-    }
-}
-
-impl Drop for KillFrontends {
-    fn drop(&mut self) {
-        for pid in self.pids() {
-            // SAFETY: plain syscall on a process found by its blkplane-frontend command line
-            // naming this test's own runtime directory.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-        }
-    }
-}
-
 /// An incoming node: blkplaned with the real frontend, fast polls, and an API client.
 struct Node {
     // Drop order: the daemon, then the frontends, then the directory.
@@ -326,7 +291,7 @@ impl Node {
     /// Starts blkplaned on `dir` and connects to it.
     async fn launch(dir: &Path) -> (Daemon, ControlClient<Channel>) {
         let frontend = &blkplane_tests::binaries().frontend;
-        let daemon = start_with(dir, frontend, &["--poll-interval-ms", "100"]);
+        let daemon = start_with(dir, frontend, &[]);
         let client = ControlClient::new(unix_channel(&dir.join("run/control.sock")).await);
         (daemon, client)
     }
@@ -1367,10 +1332,7 @@ async fn throttle_group_limits_and_startup_files() {
     std::fs::write(tdir.join("gone.state"), vec![0u8; GROUP_STATE_LEN]).unwrap();
 
     // Failed at the first exit: 65 frontends in a restart loop would only slow the test.
-    let _d = start(
-        dir.path(),
-        &["--poll-interval-ms", "100", "--restart-max", "1"],
-    );
+    let _d = start(dir.path(), &["--restart-max", "1"]);
     let mut client = ControlClient::new(unix_channel(&dir.path().join("run/control.sock")).await);
     // The socket accepts connections before blkplaned has read its state (it is bound first);
     // an answer means the start-up, group files included, is over.

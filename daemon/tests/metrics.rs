@@ -5,6 +5,7 @@
 //! of the state are still starting), 404 and 405, bounded requests, a port in use; and
 //! `blkplanectl health` against a running and a stopped blkplaned.
 
+use blkplane_tests::daemon::{base_args, KillFrontends};
 use blkplane_tests::TempDir;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -21,24 +22,6 @@ use tonic::transport::{Channel, Endpoint};
 /// Bound of every wait.
 const TIMEOUT: Duration = Duration::from_secs(20);
 const MIB: u64 = 1 << 20;
-
-/// Kills, on drop, every frontend serving disks of one runtime directory (they outlive
-/// blkplaned by design).
-struct KillFrontends(PathBuf);
-
-impl Drop for KillFrontends {
-    fn drop(&mut self) {
-        kill_frontends(&self.0);
-    }
-}
-
-fn kill_frontends(disks_dir: &Path) {
-    let prefix = format!("--admin-socket={}/", disks_dir.display());
-    for pid in blkplane_procfs::find_processes_with_arg_prefix(&prefix) {
-        // SAFETY: plain syscall on a process whose command line names this test's directory.
-        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-    }
-}
 
 /// blkplaned, killed on drop; its stderr goes to a file.
 struct Daemon {
@@ -64,13 +47,9 @@ impl Daemon {
                 .as_nanos()
         ));
         let child = Command::new(env!("CARGO_BIN_EXE_blkplaned"))
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--runtime-dir")
-            .arg(dir.join("run"))
+            .args(base_args(&dir.join("state"), &dir.join("run")))
             .arg("--frontend-binary")
             .arg(frontend)
-            .args(["--poll-interval-ms", "100"])
             .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -776,7 +755,7 @@ async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
         .expect("AddDisk a");
         let _ = daemon.child.kill();
         let _ = daemon.child.wait();
-        kill_frontends(&disks_dir);
+        drop(KillFrontends(disks_dir.clone()));
     }
     // A "frontend" that never serves: the start-up start of disk a takes --start-timeout. The
     // shell stays (no exec), so its command line names the disk and the cleanup finds it.

@@ -2,7 +2,7 @@
 //! with [`Json`]), plus what such tests look at in /proc.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -52,6 +52,51 @@ pub struct Out {
     pub stderr: String,
 }
 
+/// The arguments every test's blkplaned starts with: its state and runtime directories, and
+/// status polls every 100 ms so that connects, disconnects and crashes show up quickly.
+pub fn base_args(state_dir: &Path, run_dir: &Path) -> Vec<String> {
+    vec![
+        "--state-dir".into(),
+        state_dir.to_string_lossy().into_owned(),
+        "--runtime-dir".into(),
+        run_dir.to_string_lossy().into_owned(),
+        "--poll-interval-ms".into(),
+        "100".into(),
+    ]
+}
+
+/// The frontends serving disks of the runtime directory whose `disks/` is `disks_dir` (found
+/// by their admin socket; not their iothread spawners, forks that share their command line),
+/// alive ones only.
+pub fn frontends_of(disks_dir: &Path) -> Vec<u32> {
+    processes_with_arg_prefix(&format!("--admin-socket={}/", disks_dir.display()))
+        .into_iter()
+        .filter(|&pid| alive(pid))
+        .filter(|&pid| comm(pid).as_deref() != Some(crate::frontend::SPAWNER_COMM))
+        .collect()
+}
+
+/// Kills, on drop, every frontend serving disks of one runtime directory (`disks/`): they
+/// outlive blkplaned by design. For tests that run blkplaned themselves; declare it after the
+/// directory and before the daemon, so that it runs after the daemon is gone and before the
+/// directory is.
+pub struct KillFrontends(pub PathBuf);
+
+impl KillFrontends {
+    /// The frontends it will kill.
+    pub fn pids(&self) -> Vec<u32> {
+        frontends_of(&self.0)
+    }
+}
+
+impl Drop for KillFrontends {
+    fn drop(&mut self) {
+        for pid in self.pids() {
+            kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
 /// A `blkplaned` on a private state and runtime directory, killed (with every frontend it
 /// started) on drop. Its log is printed when the test fails.
 pub struct Daemon {
@@ -84,15 +129,7 @@ impl Daemon {
         let state_dir = dir.join("state");
         let run_dir = dir.join("run");
         let socket = run_dir.join("control.sock");
-        let mut args: Vec<String> = vec![
-            "--state-dir".into(),
-            state_dir.to_str().unwrap().into(),
-            "--runtime-dir".into(),
-            run_dir.to_str().unwrap().into(),
-            // Fast polls so that connects and disconnects show up quickly.
-            "--poll-interval-ms".into(),
-            "100".into(),
-        ];
+        let mut args = base_args(&state_dir, &run_dir);
         args.extend(extra.iter().map(|s| s.to_string()));
         let reach = match reach {
             Some(options) => options.iter().map(|s| s.to_string()).collect(),
@@ -282,10 +319,7 @@ impl Daemon {
     /// Frontends serving this daemon's disks (by their admin socket's directory; not their
     /// iothread spawners, forks that share their command line).
     pub fn frontends(&self) -> Vec<u32> {
-        processes_with_arg_prefix(&format!("--admin-socket={}/", self.disks_dir().display()))
-            .into_iter()
-            .filter(|&pid| comm(pid).as_deref() != Some(crate::frontend::SPAWNER_COMM))
-            .collect()
+        frontends_of(&self.disks_dir())
     }
 
     /// The disk ids in the persisted state, read from the file itself.
