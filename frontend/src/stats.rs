@@ -294,7 +294,8 @@ mod tests {
             ),
             (1, 2, 0)
         );
-        assert_eq!(q.errors.load(Ordering::Relaxed), 2);
+        // The two written with a status are errors too, beside the failed completion above.
+        assert_eq!(q.errors.load(Ordering::Relaxed), 3);
     }
 
     #[test]
