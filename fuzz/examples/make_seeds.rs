@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use blkplane_fuzz::{blk, inflight, ring, vhost};
+use blkplane_fuzz::{blk, inflight, ring, vhost, vring};
 
 const NEXT: u16 = 1;
 const WRITE: u16 = 2;
@@ -24,6 +24,7 @@ fn main() -> std::io::Result<()> {
         ("inflight_recovery", inflight_seeds()),
         ("ring_consumer", ring_seeds()),
         ("vhost_user_messages", vhost::seeds()),
+        ("used_rings", vring_seeds()),
     ];
     for (target, seeds) in sets {
         let dir = root.join(target);
@@ -366,5 +367,333 @@ fn ring_seeds() -> Vec<(String, Vec<u8>)> {
         ("overrun".into(), overrun),
         ("bad_slot".into(), bad_slot),
         ("bad_header".into(), bad_header),
+    ]
+}
+
+/// iothread/src/vring.rs's tests: a ring of 8 with its avail ring 0x1000 and its used ring
+/// 0x2000 into the low region, each request's status byte at 0x3000 + head and its read data
+/// at 0x5000 — a batch with statuses, interrupt suppression with and without EVENT_IDX, the
+/// dirty log, hostile slots and rings — and what the engine adds: more completions than the
+/// ring holds, a wrapping used index, memory tables that drop, move or misalign a ring and
+/// back, rings of two queues overlapping, a driver writing the used ring, hostile log sizes.
+fn vring_seeds() -> Vec<(String, Vec<u8>)> {
+    use blkplane_proto::control::{QueueSpec, QUEUE_FLAG_CALL, QUEUE_FLAG_EVENT_IDX};
+    use blkplane_proto::ring::{Opcode, Segment};
+    use vring::{Complete, Field, Op, HIGH, LOW};
+    const SIZE: u16 = 8;
+    const OK: u32 = 0;
+    const IOERR: u32 = 1;
+    let (avail, used, status, data) = (LOW + 0x1000, LOW + 0x2000, LOW + 0x3000, LOW + 0x5000);
+    let spec = |queue, flags, avail_addr, used_addr, next_used| QueueSpec {
+        queue,
+        size: SIZE,
+        flags,
+        avail_addr,
+        used_addr,
+        next_used,
+        inflight_queue: 0,
+        inflight_queues: 1,
+        inflight_size: SIZE,
+        inflight_offset: 0,
+    };
+    let start = |queue, flags| Op::Start(spec(queue, flags | QUEUE_FLAG_CALL, avail, used, 0));
+    // The fixture's `finish`: slot `head`, its data segment, the status byte in region 0.
+    let finish = |queue: u16, head: u16, opcode: Opcode, result: u32| {
+        let slot = u32::from(head) % vring::SLOTS;
+        vec![
+            Op::Segment {
+                slot,
+                index: 0,
+                segment: Segment {
+                    offset: data - LOW,
+                    len: 4096,
+                    aux: 0,
+                },
+            },
+            Op::Complete(Complete {
+                slot,
+                opcode: opcode as u32,
+                queue,
+                head,
+                status_region: 0,
+                status_offset: status - LOW + u64::from(head),
+                used_len: 4097,
+                segment_count: 1,
+                status: result,
+            }),
+        ]
+    };
+    let flush = |queue, head| finish(queue, head, Opcode::Flush, OK);
+    let publish = || vec![Op::Publish([None, None])];
+    let driver = |field, value| {
+        vec![Op::Driver {
+            queue: 0,
+            field,
+            value,
+        }]
+    };
+    let seed = |table: usize, steps: Vec<Vec<Op<'static>>>| {
+        vring::Input {
+            table,
+            ops: steps.into_iter().flatten().collect(),
+        }
+        .encode()
+    };
+
+    let batch = seed(
+        0,
+        vec![
+            vec![start(0, 0)],
+            finish(0, 5, Opcode::Read, OK),
+            finish(0, 2, Opcode::Write, IOERR),
+            publish(),
+            publish(),
+        ],
+    );
+    let no_interrupt = seed(
+        0,
+        vec![
+            vec![start(0, 0)],
+            flush(0, 0),
+            publish(),
+            driver(Field::AvailFlags, 1),
+            flush(0, 1),
+            publish(),
+            driver(Field::AvailFlags, 0),
+            flush(0, 2),
+            publish(),
+        ],
+    );
+    let event_idx = seed(
+        0,
+        vec![
+            vec![start(0, QUEUE_FLAG_EVENT_IDX)],
+            flush(0, 0),
+            publish(),
+            driver(Field::UsedEvent, 3),
+            flush(0, 1),
+            publish(),
+            flush(0, 2),
+            flush(0, 3),
+            publish(),
+        ],
+    );
+    let dirty_log = seed(
+        0,
+        vec![
+            vec![Op::DirtyLog(Some((64, 0))), start(0, 0)],
+            finish(0, 4, Opcode::Read, OK),
+            finish(0, 6, Opcode::Write, OK),
+            publish(),
+            // SetDirtyLog while a batch is published: after the record, after the fence.
+            finish(0, 1, Opcode::Read, OK),
+            vec![Op::Publish([Some(None), Some(Some((32, 100)))])],
+            finish(0, 3, Opcode::Read, OK),
+            vec![Op::Publish([Some(Some((16, 0))), None])],
+            vec![Op::DirtyLog(None)],
+            finish(0, 7, Opcode::Read, OK),
+            publish(),
+        ],
+    );
+    let hostile_log = {
+        let segment = |index, offset, len, aux| Op::Segment {
+            slot: 0,
+            index,
+            segment: Segment { offset, len, aux },
+        };
+        seed(
+            0,
+            vec![vec![
+                Op::DirtyLog(Some((0, 0))),
+                Op::DirtyLog(Some((u64::MAX, 1))),
+                Op::DirtyLog(Some((vring::LOG_LEN, 1))),
+                Op::DirtyLog(Some((1, vring::LOG_LEN - 1))),
+                start(0, 0),
+                segment(0, u64::MAX, u32::MAX, 0),
+                segment(1, 0x7fff, u32::MAX, 0),
+                segment(2, 0, 4096, 1),
+                segment(3, 0, 4096, 9),
+                Op::Complete(Complete {
+                    slot: 0,
+                    opcode: Opcode::Read as u32,
+                    queue: 0,
+                    head: 0,
+                    status_region: 1,
+                    status_offset: 0x3fff,
+                    used_len: 4097,
+                    segment_count: u32::MAX,
+                    status: OK,
+                }),
+                Op::Publish([None, None]),
+            ]],
+        )
+    };
+    let bad = |queue, head, status_region, status_offset| {
+        vec![Op::Complete(Complete {
+            slot: 0,
+            opcode: Opcode::Write as u32,
+            queue,
+            head,
+            status_region,
+            status_offset,
+            used_len: 9,
+            segment_count: 0,
+            status: OK,
+        })]
+    };
+    let bad_slots = seed(
+        0,
+        vec![
+            vec![start(0, 0)],
+            // A queue never started, a head outside the ring, status bytes outside memory.
+            bad(3, 1, 0, 0),
+            bad(0, SIZE, 0, 0),
+            bad(0, 1, 0, 0x8000),
+            bad(0, 2, 7, 0),
+            bad(0, u16::MAX, blkplane_proto::ring::NO_STATUS, 0),
+            publish(),
+            // Rings that do not lie in guest memory, misaligned, straddling the hole; sizes and
+            // queue indices out of range.
+            vec![
+                Op::Start(spec(1, 0, avail, LOW + 0x8000 - 8, 0)),
+                Op::Start(spec(1, 0, avail, used + 2, 0)),
+                Op::Start(spec(1, 0, avail + 1, used, 0)),
+                Op::Start(spec(1, 0, LOW + 0x7ffe, used, 0)),
+                Op::Start(spec(1, 0, u64::MAX - 4, used, 0)),
+                Op::Start(QueueSpec {
+                    size: 0,
+                    ..spec(1, 0, avail, used, 0)
+                }),
+                Op::Start(QueueSpec {
+                    inflight_size: SIZE - 1,
+                    ..spec(1, 0, avail, used, 0)
+                }),
+                Op::Start(spec(1024, 0, avail, used, 0)),
+            ],
+        ],
+    );
+    let overfull = {
+        let mut steps = vec![vec![start(0, 0)]];
+        for head in 0..SIZE + 2 {
+            steps.push(flush(0, head % SIZE));
+        }
+        steps.push(publish());
+        // Restarted just before the used index wraps; stopped with requests still to come.
+        steps.push(vec![Op::Start(spec(
+            0,
+            QUEUE_FLAG_CALL | QUEUE_FLAG_EVENT_IDX,
+            avail,
+            used,
+            u16::MAX - 2,
+        ))]);
+        for head in 0..SIZE {
+            steps.push(flush(0, head));
+        }
+        steps.push(publish());
+        steps.push(vec![Op::Stop(0)]);
+        steps.push(flush(0, 1));
+        steps.push(publish());
+        seed(0, steps)
+    };
+    let calls = seed(
+        0,
+        vec![
+            vec![Op::Start(spec(0, 0, avail, used, 0))],
+            flush(0, 0),
+            publish(),
+            vec![Op::SetCall {
+                queue: 0,
+                call: true,
+            }],
+            flush(0, 1),
+            publish(),
+            vec![
+                Op::SetCall {
+                    queue: 0,
+                    call: false,
+                },
+                Op::SetCall {
+                    queue: 5,
+                    call: true,
+                },
+            ],
+            flush(0, 2),
+            publish(),
+        ],
+    );
+    // Queue 0's used ring in the low region, queue 1's in the high one: remapped to a table
+    // without the high region, back, to one where it is misaligned and the low one moved, to
+    // an empty table, back.
+    let remap = {
+        let high = Op::Start(spec(1, QUEUE_FLAG_CALL, HIGH + 0x1000, HIGH + 0x2000, 0));
+        let both = |head| [flush(0, head), flush(1, head)].concat();
+        seed(
+            0,
+            vec![
+                vec![start(0, 0), high],
+                both(0),
+                publish(),
+                vec![Op::Remap(1)],
+                both(1),
+                publish(),
+                vec![Op::Remap(0)],
+                both(2),
+                publish(),
+                vec![Op::Remap(2)],
+                both(3),
+                publish(),
+                vec![Op::Remap(3)],
+                both(4),
+                publish(),
+                vec![Op::Remap(0)],
+                both(5),
+                publish(),
+            ],
+        )
+    };
+    let overlapping = seed(
+        0,
+        vec![
+            vec![
+                start(0, 0),
+                Op::Start(spec(1, QUEUE_FLAG_CALL, avail, used + 8, 0)),
+                // Queue 2's used ring on queue 0's avail ring.
+                Op::Start(spec(2, QUEUE_FLAG_CALL, avail + 0x100, avail, 0)),
+            ],
+            flush(0, 0),
+            flush(1, 1),
+            flush(2, 2),
+            flush(0, 3),
+            publish(),
+        ],
+    );
+    let scribbles = seed(
+        0,
+        vec![
+            vec![start(0, QUEUE_FLAG_EVENT_IDX)],
+            flush(0, 0),
+            publish(),
+            vec![Op::Patch {
+                offset: used - LOW,
+                bytes: &[0xff; 16],
+            }],
+            driver(Field::UsedIdx, 7),
+            driver(Field::UsedEvent, 0),
+            flush(0, 1),
+            publish(),
+        ],
+    );
+    vec![
+        ("batch_with_statuses".into(), batch),
+        ("no_interrupt".into(), no_interrupt),
+        ("event_idx".into(), event_idx),
+        ("dirty_log".into(), dirty_log),
+        ("hostile_log_and_segments".into(), hostile_log),
+        ("bad_slots_and_rings".into(), bad_slots),
+        ("more_than_a_ring_then_wrap_and_stop".into(), overfull),
+        ("set_call".into(), calls),
+        ("remap_away_and_back".into(), remap),
+        ("overlapping_rings".into(), overlapping),
+        ("driver_writes_used_ring".into(), scribbles),
     ]
 }

@@ -1,7 +1,7 @@
 //! The input formats of blkplane's fuzz targets: how a fuzzer's byte string becomes guest
-//! memory, ring contents, vhost-user messages or an inflight region, and back (the seed
-//! corpora in `seeds/` are encoded from the unit tests' fixtures with the same code, see
-//! `examples/make_seeds.rs`).
+//! memory, ring contents, vhost-user messages, an inflight region or the steps of the
+//! iothread's used-ring writer, and back (the seed corpora in `seeds/` are encoded from the
+//! unit tests' fixtures with the same code, see `examples/make_seeds.rs`).
 //!
 //! Decoding never fails: a short input reads as zeros, so every byte string is a valid input
 //! and the fuzzer spends its time in the code under test rather than in the harness.
@@ -12,6 +12,7 @@ pub mod blk;
 pub mod inflight;
 pub mod ring;
 pub mod vhost;
+pub mod vring;
 
 /// Reads little-endian integers off the front of the input; zeros once it is used up.
 pub struct Reader<'a> {
