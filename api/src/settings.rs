@@ -4,6 +4,18 @@
 use crate::pb::{AddDiskRequest, DiskConfig, DiskSettings};
 
 impl AddDiskRequest {
+    /// A request for disk `id` on `image` with every other setting at its default.
+    pub fn with_image(id: impl Into<String>, image: impl Into<String>) -> Self {
+        AddDiskRequest {
+            id: id.into(),
+            settings: Some(DiskSettings {
+                image: image.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
     /// The settings, added (all zero) if absent, to fill in.
     pub fn settings_mut(&mut self) -> &mut DiskSettings {
         self.settings.get_or_insert_with(Default::default)

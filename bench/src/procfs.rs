@@ -175,23 +175,6 @@ pub fn switches_between(before: &[(u32, u64)], after: &[(u32, u64)]) -> u64 {
         .sum()
 }
 
-/// Whether a UNIX socket listens at `path`, read from /proc/net/unix rather than probed, so
-/// that checking never counts as a client connecting.
-pub fn is_listening(path: &Path) -> bool {
-    /// `__SO_ACCEPTCON` in the Flags column: the socket is in listen().
-    const ACCEPTCON: u32 = 0x0001_0000;
-    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
-        return std::os::unix::net::UnixStream::connect(path).is_ok();
-    };
-    let want = path.to_string_lossy();
-    table.lines().skip(1).any(|line| {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        cols.len() >= 8
-            && cols[7] == want
-            && u32::from_str_radix(cols[3], 16).is_ok_and(|flags| flags & ACCEPTCON != 0)
-    })
-}
-
 /// The first line of /proc/loadavg.
 pub fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
@@ -292,7 +275,6 @@ mod tests {
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
         }
         shell.wait().unwrap();
-        assert!(!is_listening(Path::new("/nonexistent/socket")));
         assert!(!voluntary_switches(me).is_empty());
     }
 

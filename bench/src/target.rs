@@ -300,7 +300,7 @@ impl Backend {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             self.check_alive()?;
-            if procfs::is_listening(&self.socket) {
+            if blkplane_procfs::is_listening(&self.socket) {
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use blkplane_daemon::daemon::{Config, Daemon};
 use blkplane_daemon::disk_log::{self, DiskLogLimit};
 use blkplane_daemon::metrics;
-use blkplane_daemon::pb::{AddDiskRequest, Disk, DiskSettings};
+use blkplane_daemon::pb::{AddDiskRequest, Disk};
 use blkplane_daemon::server::{self, ApiHealth, Listen};
 use blkplane_daemon::settings::RestartPolicy;
 use blkplane_daemon::state::{RunAsSpec, StateStore};
@@ -260,14 +260,7 @@ async fn run(args: Args) -> Result<(), String> {
             .to_string();
         info!("first run: adding {DEFAULT_DISK} ({image})");
         daemon
-            .add_disk(AddDiskRequest {
-                id: DEFAULT_DISK.into(),
-                settings: Some(DiskSettings {
-                    image,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
+            .add_disk(AddDiskRequest::with_image(DEFAULT_DISK, image))
             .await
             .map_err(|e| format!("adding the default disk: {e}"))?;
     }

@@ -513,14 +513,7 @@ async fn incoming_disk_rules_and_persistence() {
         ),
         (
             "an ordinary disk on the source's image (only the pair is exempt)",
-            AddDiskRequest {
-                id: "c".into(),
-                settings: Some(DiskSettings {
-                    image: path_str(&link),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
+            AddDiskRequest::with_image("c", path_str(&link)),
             Code::AlreadyExists,
             "settings.image",
         ),
@@ -602,14 +595,7 @@ async fn incoming_disk_rules_and_persistence() {
         "incoming_for",
     );
     let r = node
-        .add(AddDiskRequest {
-            id: "c".into(),
-            settings: Some(DiskSettings {
-                image: path_str(&img),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
+        .add(AddDiskRequest::with_image("c", path_str(&img)))
         .await;
     assert_refused(
         "an ordinary disk on the image",
@@ -701,16 +687,9 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     let mut node = Node::start("incgone").await;
     let img = blkplane_tests::create_image(&node.path("a.img"), 8 * MIB);
     let other = blkplane_tests::create_image(&node.path("other.img"), 8 * MIB);
-    node.add(AddDiskRequest {
-        id: "a".into(),
-        settings: Some(DiskSettings {
-            image: path_str(&img),
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .expect("AddDisk a");
+    node.add(AddDiskRequest::with_image("a", path_str(&img)))
+        .await
+        .expect("AddDisk a");
     let b = node
         .add(AddDiskRequest {
             id: "b".into(),
@@ -728,14 +707,7 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
         .expect("RemoveDisk a");
     // The name of the source is not free while b may still take over from it.
     let r = node
-        .add(AddDiskRequest {
-            id: "a".into(),
-            settings: Some(DiskSettings {
-                image: path_str(&other),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
+        .add(AddDiskRequest::with_image("a", path_str(&other)))
         .await;
     assert_refused("the source's id", r, Code::AlreadyExists, "id");
     assert!(incoming_blocker(&node.get("b").await).is_some());
@@ -748,14 +720,7 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
         .await;
     assert_eq!(reloaded.config.as_ref().unwrap().incoming_for, "a");
     let r = node
-        .add(AddDiskRequest {
-            id: "a".into(),
-            settings: Some(DiskSettings {
-                image: path_str(&other),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
+        .add(AddDiskRequest::with_image("a", path_str(&other)))
         .await;
     assert_refused(
         "the source's id after a restart",
@@ -805,16 +770,9 @@ async fn incoming_disk_whose_source_is_gone_takes_over() {
     assert_eq!(node.state(), [("b".to_string(), None)]);
     drop(vmm);
     // The name is free again.
-    node.add(AddDiskRequest {
-        id: "a".into(),
-        settings: Some(DiskSettings {
-            image: path_str(&other),
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .expect("AddDisk a after the takeover");
+    node.add(AddDiskRequest::with_image("a", path_str(&other)))
+        .await
+        .expect("AddDisk a after the takeover");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -877,16 +835,9 @@ impl Node {
     /// Adds an ordinary disk on a new 8 MiB image.
     async fn add_plain(&mut self, id: &str) -> Disk {
         let img = blkplane_tests::create_image(&self.path(&format!("{id}.img")), 8 * MIB);
-        self.add(AddDiskRequest {
-            id: id.into(),
-            settings: Some(DiskSettings {
-                image: path_str(&img),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("AddDisk {id}: {e}"))
+        self.add(AddDiskRequest::with_image(id, path_str(&img)))
+            .await
+            .unwrap_or_else(|e| panic!("AddDisk {id}: {e}"))
     }
 }
 

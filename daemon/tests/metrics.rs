@@ -547,16 +547,9 @@ async fn metrics_of_two_disks_and_health() {
         .await
         .expect("AddDisk a")
         .into_inner();
-    api.add_disk(AddDiskRequest {
-        id: "b".into(),
-        settings: Some(DiskSettings {
-            image: img_b.to_str().unwrap().into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .expect("AddDisk b");
+    api.add_disk(AddDiskRequest::with_image("b", img_b.to_str().unwrap()))
+        .await
+        .expect("AddDisk b");
 
     // I/O on a: 4 writes and a flush on queue 0, 3 reads on queue 1.
     let vmm_socket = PathBuf::from(a.config.unwrap().settings_or_default().vhost_socket);
@@ -743,16 +736,9 @@ async fn readiness_waits_for_startup_and_a_busy_port_is_refused() {
         let mut daemon = Daemon::start(dir.path(), frontend, &[]);
         let mut api = client(&dir.path().join("run/control.sock")).await;
         let img = blkplane_tests::create_image(&dir.path().join("a.img"), 8 * MIB);
-        api.add_disk(AddDiskRequest {
-            id: "a".into(),
-            settings: Some(DiskSettings {
-                image: img.to_str().unwrap().into(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .expect("AddDisk a");
+        api.add_disk(AddDiskRequest::with_image("a", img.to_str().unwrap()))
+            .await
+            .expect("AddDisk a");
         let _ = daemon.child.kill();
         let _ = daemon.child.wait();
         drop(KillFrontends(disks_dir.clone()));
@@ -853,14 +839,7 @@ async fn rejected_requests_are_counted_by_reason() {
     let mut api = client(&socket).await;
     let img = blkplane_tests::create_image(&dir.path().join("r.img"), 8 * MIB);
     let disk = api
-        .add_disk(AddDiskRequest {
-            id: "r".into(),
-            settings: Some(DiskSettings {
-                image: img.to_str().unwrap().into(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
+        .add_disk(AddDiskRequest::with_image("r", img.to_str().unwrap()))
         .await
         .expect("AddDisk r")
         .into_inner();

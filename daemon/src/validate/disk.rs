@@ -9,8 +9,7 @@ use std::path::{Component, Path, PathBuf};
 use blkplane_procfs as proc;
 
 use super::{check_id, invalid, Context, ValidationError};
-#[cfg(test)]
-use crate::pb::DiskSettings;
+
 use crate::pb::{AddDiskRequest, CacheMode, RunAs};
 use crate::state::{Cache, DiskSpec, RunAsSpec};
 
@@ -467,14 +466,7 @@ pub(super) mod tests {
             .unwrap()
             .set_len(1 << 20)
             .unwrap();
-        AddDiskRequest {
-            id: "disk0".into(),
-            settings: Some(DiskSettings {
-                image: image.to_str().unwrap().into(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
+        AddDiskRequest::with_image("disk0", image.to_str().unwrap())
     }
 
     fn field_of(r: Result<(DiskSpec, ImageIdentity), ValidationError>) -> &'static str {
