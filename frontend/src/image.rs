@@ -10,6 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use crate::chain::{self, BackingFile, ChainError, ImageFormat};
 use crate::config::CacheMode;
 
 /// The `--image` prefix that selects a null image; a file whose name starts with it is given
@@ -120,6 +121,14 @@ pub enum ImageError {
     /// Neither a regular file nor a block device.
     #[error("image {0} is neither a regular file nor a block device")]
     NotAFileOrBlockDevice(PathBuf),
+    /// The image's format or its backing chain cannot be served.
+    #[error("image {path}: {source}")]
+    Chain {
+        /// The image.
+        path: PathBuf,
+        /// What is wrong.
+        source: ChainError,
+    },
     /// The size could not be read.
     #[error("cannot read the size of image {path}: {source}")]
     Size {
@@ -144,10 +153,18 @@ pub enum Image {
 
 impl Image {
     /// Opens what `spec` names for `cache`, read-only when `read_only` (a null image needs no
-    /// opening; `read_only` still makes the frontend refuse writes).
-    pub fn open(spec: &ImageSpec, read_only: bool, cache: CacheMode) -> Result<Self, ImageError> {
+    /// opening; `read_only` still makes the frontend refuse writes), in `format` (`None`:
+    /// probed, see [`crate::chain`]).
+    pub fn open(
+        spec: &ImageSpec,
+        read_only: bool,
+        cache: CacheMode,
+        format: Option<ImageFormat>,
+    ) -> Result<Self, ImageError> {
         match spec {
-            ImageSpec::Path(path) => FileImage::open(path, read_only, cache).map(Self::File),
+            ImageSpec::Path(path) => {
+                FileImage::open_as(path, read_only, cache, format).map(Self::File)
+            }
             ImageSpec::Null { size } => Ok(Self::Null { size: *size }),
         }
     }
@@ -169,13 +186,28 @@ pub struct FileImage {
     pub buffered: File,
     /// Opened with O_DIRECT, for `--cache direct`.
     pub direct: Option<File>,
-    /// Size in bytes.
+    /// Size in bytes: the file's for a raw image, the virtual size of a qcow2 one.
     pub size: u64,
+    /// The image's format.
+    pub format: ImageFormat,
+    /// A qcow2 image's backing files, its own first (read-only; empty for raw).
+    pub backing: Vec<BackingFile>,
 }
 
 impl FileImage {
-    /// Opens `path` for `cache`, read-only when `read_only`.
+    /// Opens `path` as a raw image for `cache`, read-only when `read_only`.
     pub fn open(path: &Path, read_only: bool, cache: CacheMode) -> Result<Self, ImageError> {
+        Self::open_as(path, read_only, cache, Some(ImageFormat::Raw))
+    }
+
+    /// Opens `path` in `format` (`None`: probed) for `cache`, read-only when `read_only`,
+    /// with a qcow2 image's backing chain.
+    pub fn open_as(
+        path: &Path,
+        read_only: bool,
+        cache: CacheMode,
+        format: Option<ImageFormat>,
+    ) -> Result<Self, ImageError> {
         let open = |flags: i32| {
             OpenOptions::new()
                 .read(true)
@@ -194,12 +226,29 @@ impl FileImage {
             return Err(ImageError::NotAFileOrBlockDevice(path.to_owned()));
         }
         // SEEK_END gives the size of regular files and block devices alike.
-        let size = buffered
-            .seek(SeekFrom::End(0))
-            .map_err(|source| ImageError::Size {
-                path: path.to_owned(),
-                source,
-            })?;
+        let chain_error = |source| ImageError::Chain {
+            path: path.to_owned(),
+            source,
+        };
+        let format = match format {
+            Some(format) => format,
+            None => chain::probe(&buffered, path).map_err(chain_error)?,
+        };
+        let (size, backing) = match format {
+            ImageFormat::Raw => {
+                let size = buffered
+                    .seek(SeekFrom::End(0))
+                    .map_err(|source| ImageError::Size {
+                        path: path.to_owned(),
+                        source,
+                    })?;
+                (size, Vec::new())
+            }
+            ImageFormat::Qcow2 => {
+                let chain = chain::open(&buffered, path).map_err(chain_error)?;
+                (chain.size, chain.backing)
+            }
+        };
         let direct = match cache {
             CacheMode::Direct => match open(libc::O_DIRECT) {
                 Ok(file) => Some(file),
@@ -219,6 +268,8 @@ impl FileImage {
             buffered,
             direct,
             size,
+            format,
+            backing,
         })
     }
 }
@@ -237,7 +288,7 @@ mod tests {
         let image = FileImage::open(&path, false, CacheMode::Writeback).unwrap();
         assert_eq!(image.size, 8192);
         assert!(image.direct.is_none());
-        let ro = Image::open(&ImageSpec::Path(path), true, CacheMode::Direct).unwrap();
+        let ro = Image::open(&ImageSpec::Path(path), true, CacheMode::Direct, None).unwrap();
         assert!(matches!(ro, Image::File(_)));
         assert_eq!(ro.size(), 8192);
         assert!(matches!(
@@ -328,7 +379,7 @@ mod tests {
         let spec = parse("null:8G").unwrap();
         assert_eq!(spec.null_size(), Some(8 << 30));
         assert_eq!(spec.to_string(), format!("null:{}", 8u64 << 30));
-        let image = Image::open(&spec, false, CacheMode::Direct).unwrap();
+        let image = Image::open(&spec, false, CacheMode::Direct, None).unwrap();
         assert!(matches!(image, Image::Null { size } if size == 8 << 30));
         assert_eq!(image.size(), 8 << 30);
         assert_eq!(ImageSpec::Path("/x".into()).null_size(), None);

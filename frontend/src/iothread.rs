@@ -16,6 +16,7 @@ use blkplane_proto::inflight::InflightRegion;
 use blkplane_proto::ring::{RingError, SharedRing};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::chain::ImageFormat;
 use crate::image::Image;
 use crate::memory::MemoryTable;
 use crate::queue_core::RingEnds;
@@ -184,17 +185,33 @@ impl IothreadLink {
             self.submit_event.as_raw_fd(),
             self.complete_event.as_raw_fd(),
         ];
+        let mut backing_files = 0u32;
+        let mut qcow2_layers = 0u32;
         let (flags, image_size) = match &*self.image {
             Image::File(file) => {
                 fds.push(file.buffered.as_raw_fd());
-                match &file.direct {
+                let flags = match &file.direct {
                     Some(direct) => {
                         fds.push(direct.as_raw_fd());
-                        (SETUP_FLAG_DIRECT_FD, 0)
+                        SETUP_FLAG_DIRECT_FD
                     }
-                    // The iothread reads a file's size from the fd itself.
-                    None => (0, 0),
+                    None => 0,
+                };
+                if file.format == ImageFormat::Qcow2 {
+                    qcow2_layers = 1;
+                    // At most MAX_BACKING_FILES (chain::open bounds the chain): the shifts
+                    // stay inside a u32.
+                    for (index, backing) in (1u32..).zip(&file.backing) {
+                        fds.push(backing.file.as_raw_fd());
+                        backing_files = index;
+                        if backing.format == ImageFormat::Qcow2 {
+                            qcow2_layers |= 1u32.checked_shl(index).unwrap_or(0);
+                        }
+                    }
                 }
+                // The iothread reads a raw file's size from the fd itself, a qcow2 image's
+                // from its header.
+                (flags, 0)
             }
             Image::Null { size } => (SETUP_FLAG_NULL_IMAGE, *size),
         };
@@ -203,6 +220,8 @@ impl IothreadLink {
             logical_block_size: self.block_size,
             image_size,
             poll_max_us: self.poll_max_us,
+            backing_files,
+            qcow2_layers,
         };
         self.call(&request, &fds)?;
         self.set_memory(memory)

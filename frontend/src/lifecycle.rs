@@ -349,7 +349,7 @@ mod tests {
             .set_len(1 << 20)
             .unwrap();
         let spec = crate::image::ImageSpec::Path(path.clone());
-        let image = Arc::new(Image::open(&spec, false, CacheMode::Writeback).unwrap());
+        let image = Arc::new(Image::open(&spec, false, CacheMode::Writeback, None).unwrap());
         let q = Quiescer::new(Workers::new(Vec::new()), image, Arc::clone(&status));
         let done = q.drain(true).unwrap();
         assert_eq!((done.waited_requests, done.flushed), (0, true));
@@ -365,6 +365,7 @@ mod tests {
                 &crate::image::ImageSpec::Null { size: 1 << 20 },
                 false,
                 CacheMode::Writeback,
+                None,
             )
             .unwrap(),
         );

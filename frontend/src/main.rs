@@ -15,6 +15,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
 use blkplane_frontend::backend_channel::BackendChannel;
+use blkplane_frontend::chain::ImageFormat;
 use blkplane_frontend::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
 use blkplane_frontend::image::{Image, ImageSpec};
 use blkplane_frontend::iothread::IothreadLink;
@@ -40,6 +41,11 @@ struct Args {
     #[arg(long, value_name = "PATH|null:SIZE",
           value_parser = clap::builder::OsStringValueParser::new().try_map(ImageSpec::parse))]
     image: ImageSpec,
+    /// Image format: raw or qcow2 (with its backing chain). Without it the format is probed
+    /// from the image's first bytes; an image that must be served raw although it starts with
+    /// qcow2's magic (a guest may have written one) needs `--format raw`.
+    #[arg(long, value_enum)]
+    format: Option<ImageFormat>,
     /// Offer the disk read-only (VIRTIO_BLK_F_RO); writes, discards and write-zeroes fail.
     #[arg(long)]
     read_only: bool,
@@ -152,10 +158,10 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     let image = match &args.run_as {
-        None => Image::open(&args.image, args.read_only, args.cache),
+        None => Image::open(&args.image, args.read_only, args.cache, args.format),
         // With the disk user's permissions, as its VMM would open it.
         Some(run_as) => blkplane_sandbox::open_as(run_as, || {
-            Image::open(&args.image, args.read_only, args.cache)
+            Image::open(&args.image, args.read_only, args.cache, args.format)
         })
         .map_err(|e| e.to_string())?,
     }
@@ -194,8 +200,21 @@ fn run(args: Args) -> Result<(), String> {
         )
         .map_err(|e| e.to_string())?,
     );
-    // More iothreads than queues would idle.
-    let iothreads = args.iothreads.min(args.num_queues);
+    // More iothreads than queues would idle. A qcow2 image's metadata has one owner: its
+    // queues share one iothread.
+    let iothreads = match &*image {
+        Image::File(file) if file.format == ImageFormat::Qcow2 => {
+            if args.iothreads > 1 {
+                log::info!(
+                    "a qcow2 image is served by one iothread (its metadata has one owner); \
+                     --iothreads {} ignored",
+                    args.iothreads
+                );
+            }
+            1
+        }
+        _ => args.iothreads.min(args.num_queues),
+    };
     let status = Arc::new(DeviceStatus::new(args.num_queues, iothreads));
     let backend_channel = Arc::new(BackendChannel::default());
     let mut workers = Vec::with_capacity(usize::from(iothreads));

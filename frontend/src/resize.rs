@@ -10,6 +10,7 @@ use log::{info, warn};
 
 use crate::admin::Resize;
 use crate::backend_channel::BackendChannel;
+use crate::chain::ImageFormat;
 use crate::config::DiskConfig;
 use crate::image::Image;
 
@@ -46,6 +47,9 @@ impl Resize for DiskResizer {
             ));
         }
         let file = match self.image.as_ref() {
+            Image::File(file) if file.format == ImageFormat::Qcow2 => {
+                return Err("resizing a qcow2 image is not supported yet".into())
+            }
             Image::File(file) => &file.buffered,
             Image::Null { .. } => return Err("a null image cannot be resized".into()),
         };

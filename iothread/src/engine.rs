@@ -71,8 +71,10 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 use crate::image::Image;
 use crate::memory::MemoryTable;
 use crate::request::{self, RequestError, UsedTarget};
-use crate::slot::{FallocateSupport, SlotState, Stage, Step};
+use crate::slot::{FallocateSupport, SlotState, Stage, Step, Transfer};
 use crate::vring::UsedRings;
+
+mod chain;
 
 /// Operations that are not a slot's: the eventfd read (or poll) and the control poll.
 const RESERVED_OPS: u32 = 2;
@@ -269,6 +271,18 @@ struct Core {
 /// The most preadv/pwritev calls one inline transfer may take (each moving some bytes) before
 /// the rest goes to io_uring: bounds the time one request holds the loop.
 const MAX_INLINE_CALLS: u32 = 16;
+
+/// The fd a transfer goes through: the image's O_DIRECT fd when the transfer may use it, its
+/// buffered fd otherwise, or a backing file's (a qcow2 chain's layer).
+fn transfer_fd(image: &Image, transfer: &Transfer) -> Option<RawFd> {
+    if transfer.layer != 0 {
+        return image.qcow2_chain()?.layer_fd(transfer.layer);
+    }
+    match (transfer.direct, image.direct()) {
+        (true, Some(direct)) => Some(direct.as_raw_fd()),
+        _ => image.buffered().map(AsRawFd::as_raw_fd),
+    }
+}
 
 /// Rate-limits per-request warnings so that a misbehaving frontend or failing disk cannot flood
 /// the log: the first few are logged, then only every power-of-two-th.
@@ -606,6 +620,18 @@ impl Core {
 
     /// Carries out what a slot's state machine decided.
     fn apply(&mut self, slot: u32, step: Step) -> Result<(), EngineError> {
+        if self.image.qcow2_chain().is_some() {
+            match step {
+                Step::Issue(Stage::Transfer) => return self.map_transfer(slot),
+                Step::Issue(Stage::Range) => return self.zero_or_discard(slot),
+                Step::Issue(Stage::Fsync) => {
+                    if let Some(step) = self.flush_metadata(slot) {
+                        return self.apply(slot, step);
+                    }
+                }
+                Step::Complete(_) | Step::Failed(_) => {}
+            }
+        }
         match step {
             Step::Issue(Stage::Transfer) if self.image.transfers_inline() => {
                 self.transfer_inline(slot)
@@ -640,47 +666,8 @@ impl Core {
     /// each result to the slot's state machine as a CQE would; what is still left after
     /// [`MAX_INLINE_CALLS`] calls goes to io_uring.
     fn transfer_inline(&mut self, slot: u32) -> Result<(), EngineError> {
-        let block_size = self.image.direct().map(|_| self.image.block_size());
         for _ in 0..MAX_INLINE_CALLS {
-            let (Some(buffered), Some(state)) =
-                (self.image.buffered(), self.states.get_mut(slot as usize))
-            else {
-                return Err(EngineError::BadSlot {
-                    slot,
-                    count: self.slots.count(),
-                });
-            };
-            let transfer = state.next_transfer(block_size);
-            let fd = match (transfer.direct, self.image.direct()) {
-                (true, Some(direct)) => direct.as_raw_fd(),
-                _ => buffered.as_raw_fd(),
-            };
-            let count = libc::c_int::try_from(transfer.count).unwrap_or(libc::c_int::MAX);
-            let Ok(offset) = libc::off_t::try_from(transfer.offset) else {
-                let step = state.on_transfer(-libc::EINVAL);
-                return self.apply(slot, step);
-            };
-            // SAFETY: the iovecs live in the slot's own buffer and point into guest memory
-            // mappings that stay mapped while the request is in flight (exactly what an SQE of
-            // the same transfer would hand the kernel); the call returns before either changes.
-            let rc = unsafe {
-                if transfer.write {
-                    libc::pwritev(fd, transfer.iovecs, count, offset)
-                } else {
-                    libc::preadv(fd, transfer.iovecs, count, offset)
-                }
-            };
-            let result = match i32::try_from(rc) {
-                Ok(n) if n >= 0 => n,
-                _ if rc < 0 => io::Error::last_os_error()
-                    .raw_os_error()
-                    .unwrap_or(libc::EIO)
-                    .saturating_neg(),
-                // More than i32::MAX bytes in one call: more than a slot ever asks for.
-                _ => -libc::EIO,
-            };
-            self.counters.count_inline();
-            match state.on_transfer(result) {
+            match self.inline_call(slot)? {
                 Step::Issue(Stage::Transfer) => continue,
                 step => return self.apply(slot, step),
             }
@@ -691,6 +678,47 @@ impl Core {
             stage: Stage::Transfer,
         });
         Ok(())
+    }
+
+    /// One preadv/pwritev of a slot's next transfer on this thread; returns what the slot's
+    /// state machine makes of its result.
+    fn inline_call(&mut self, slot: u32) -> Result<Step, EngineError> {
+        let block_size = self.image.direct().map(|_| self.image.block_size());
+        let Some(state) = self.states.get_mut(slot as usize) else {
+            return Err(EngineError::BadSlot {
+                slot,
+                count: self.slots.count(),
+            });
+        };
+        let transfer = state.next_transfer(block_size);
+        let Some(fd) = transfer_fd(&self.image, &transfer) else {
+            return Ok(state.on_transfer(-libc::EBADF));
+        };
+        let count = libc::c_int::try_from(transfer.count).unwrap_or(libc::c_int::MAX);
+        let Ok(offset) = libc::off_t::try_from(transfer.offset) else {
+            return Ok(state.on_transfer(-libc::EINVAL));
+        };
+        // SAFETY: the iovecs live in the slot's own buffer and point into guest memory
+        // mappings that stay mapped while the request is in flight (exactly what an SQE of
+        // the same transfer would hand the kernel); the call returns before either changes.
+        let rc = unsafe {
+            if transfer.write {
+                libc::pwritev(fd, transfer.iovecs, count, offset)
+            } else {
+                libc::preadv(fd, transfer.iovecs, count, offset)
+            }
+        };
+        let result = match i32::try_from(rc) {
+            Ok(n) if n >= 0 => n,
+            _ if rc < 0 => io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO)
+                .saturating_neg(),
+            // More than i32::MAX bytes in one call: more than a slot ever asks for.
+            _ => -libc::EIO,
+        };
+        self.counters.count_inline();
+        Ok(state.on_transfer(result))
     }
 
     /// Completes a request: its status byte and used entry (published with the batch), and
@@ -747,10 +775,14 @@ impl Core {
                     Stage::Transfer => {
                         let block_size = self.image.direct().map(|_| self.image.block_size());
                         let transfer = state.next_transfer(block_size);
-                        let fd = match (transfer.direct, self.image.direct()) {
-                            (true, Some(direct)) => types::Fd(direct.as_raw_fd()),
-                            _ => buffered,
+                        let Some(fd) = transfer_fd(&self.image, &transfer) else {
+                            error!(
+                                "slot {slot}: transfer to layer {} of the chain, which has none",
+                                transfer.layer
+                            );
+                            return None;
                         };
+                        let fd = types::Fd(fd);
                         if transfer.write {
                             opcode::Writev::new(fd, transfer.iovecs, transfer.count)
                                 .offset(transfer.offset)

@@ -8,6 +8,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::time::{Duration, Instant};
 
+use crate::qcow2::{LayerFormat, Qcow2Image};
+
 /// `BLKGETSIZE64`, `_IOR(0x12, 114, size_t)` in the asm-generic encoding used by x86_64 and
 /// aarch64 (the architectures the ring layout is defined for); libc does not export it.
 const BLKGETSIZE64: libc::c_ulong = (2 << 30) | (8 << 16) | (0x12 << 8) | 114;
@@ -40,6 +42,9 @@ pub enum ImageError {
     /// A null image of zero bytes.
     #[error("a null image must not be empty")]
     EmptyNullImage,
+    /// The qcow2 chain could not be opened.
+    #[error("qcow2: {0}")]
+    Qcow2(#[from] crate::qcow2::Qcow2Error),
     /// A system call failed.
     #[error("{op}: {source}")]
     Os {
@@ -55,6 +60,7 @@ impl ImageError {
     pub fn errno(&self) -> i32 {
         match self {
             Self::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            Self::Qcow2(e) => e.errno(),
             _ => libc::EINVAL,
         }
     }
@@ -65,6 +71,9 @@ impl ImageError {
 pub struct Image {
     /// `None` for a null image.
     files: Option<Files>,
+    /// A qcow2 image's metadata and backing chain; `None` for a raw one.
+    qcow2: Option<Qcow2Image>,
+    /// The disk's size: the file's for a raw image, the virtual size for qcow2.
     size: u64,
     block_size: u32,
 }
@@ -85,6 +94,7 @@ impl Image {
         }
         Ok(Self {
             files: None,
+            qcow2: None,
             size,
             block_size: logical_block_size,
         })
@@ -140,9 +150,41 @@ impl Image {
                 direct,
                 inline,
             }),
+            qcow2: None,
             size,
             block_size: logical_block_size,
         })
+    }
+
+    /// A qcow2 image: `buffered` and `direct` as for [`Image::new`] (the image file, whose data
+    /// clusters the engine reads and writes), `backing` its backing chain, the image's backing
+    /// file first, each with its format. imago gets a duplicate of the buffered fd for the
+    /// metadata.
+    pub fn qcow2(
+        buffered: File,
+        direct: Option<File>,
+        logical_block_size: u32,
+        backing: Vec<(File, LayerFormat)>,
+    ) -> Result<Self, ImageError> {
+        let metadata = buffered.try_clone().map_err(|source| ImageError::Os {
+            op: "dup image fd",
+            source,
+        })?;
+        let mut image = Self::new(buffered, direct, logical_block_size)?;
+        let chain = Qcow2Image::open(metadata, backing)?;
+        image.size = chain.size();
+        image.qcow2 = Some(chain);
+        Ok(image)
+    }
+
+    /// The qcow2 chain, for a qcow2 image.
+    pub fn qcow2_chain(&self) -> Option<&Qcow2Image> {
+        self.qcow2.as_ref()
+    }
+
+    /// The qcow2 chain, mutably (discards change mappings).
+    pub fn qcow2_chain_mut(&mut self) -> Option<&mut Qcow2Image> {
+        self.qcow2.as_mut()
     }
 
     /// Whether reads and writes of this image run inline, as a plain `preadv`/`pwritev` on the
@@ -180,6 +222,10 @@ impl Image {
     /// past the known size, because a disk resized while running (blkplaned's ResizeDisk)
     /// grows the file under us. A shrinking image is ignored: the frontend never shrinks one.
     pub fn refresh_size(&mut self) -> bool {
+        // A qcow2 image file grows with every allocation; its virtual size is in its header.
+        if self.qcow2.is_some() {
+            return false;
+        }
         let Some(files) = &self.files else {
             return false;
         };

@@ -18,8 +18,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, MAX_POLL_MAX_US, SETUP_FLAG_DIRECT_FD,
-    SETUP_FLAG_NULL_IMAGE,
+    self, ControlError, ControlReply, ControlRequest, MAX_BACKING_FILES, MAX_POLL_MAX_US,
+    SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
@@ -27,6 +27,7 @@ use log::{error, info};
 
 use blkplane_iothread::engine::{Engine, EngineError, Exit};
 use blkplane_iothread::image::{Image, ImageError};
+use blkplane_iothread::qcow2::LayerFormat;
 
 /// blkplane's I/O process: serves one frontend's request ring with io_uring.
 ///
@@ -85,6 +86,16 @@ enum SetupError {
     #[error("Setup gives a polling bound of {0} µs, more than {MAX_POLL_MAX_US}")]
     PollBound(u32),
     /// The ring memfd is not a valid ring.
+    /// `Setup` names a backing chain deeper than [`MAX_BACKING_FILES`].
+    #[error("Setup hands over {0} backing files, more than {MAX_BACKING_FILES}")]
+    BackingFiles(u32),
+    /// `Setup`'s format bits name layers the chain does not have, or a raw image with backing
+    /// files.
+    #[error("Setup's qcow2 layers {qcow2_layers:#x} do not fit a chain of {backing_files} backing files")]
+    Layers {
+        backing_files: u32,
+        qcow2_layers: u32,
+    },
     #[error("ring: {0}")]
     Ring(#[from] RingError),
     /// The ring memfd could be shrunk under our mapping (reading a slot would raise SIGBUS).
@@ -106,6 +117,8 @@ impl SetupError {
             | Self::ConflictingFlags(_)
             | Self::UnexpectedImageSize(_)
             | Self::PollBound(_)
+            | Self::BackingFiles(_)
+            | Self::Layers { .. }
             | Self::RingNotSealed => libc::EINVAL,
             Self::Ring(RingError::Os { source, .. }) => {
                 source.raw_os_error().unwrap_or(libc::EINVAL)
@@ -238,20 +251,32 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         Err(ControlError::Closed) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let (flags, logical_block_size, image_size, poll_max_us) = match request {
-        ControlRequest::Setup {
-            flags,
-            logical_block_size,
-            image_size,
-            poll_max_us,
-        } => (flags, logical_block_size, image_size, poll_max_us),
-        ControlRequest::SetMemoryTable(_) => return Err(SetupError::NotSetup("SetMemoryTable")),
-        ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
-        ControlRequest::StartQueue(_) => return Err(SetupError::NotSetup("StartQueue")),
-        ControlRequest::StopQueue { .. } => return Err(SetupError::NotSetup("StopQueue")),
-        ControlRequest::SetCall { .. } => return Err(SetupError::NotSetup("SetCall")),
-        ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
-    };
+    let (flags, logical_block_size, image_size, poll_max_us, backing_files, qcow2_layers) =
+        match request {
+            ControlRequest::Setup {
+                flags,
+                logical_block_size,
+                image_size,
+                poll_max_us,
+                backing_files,
+                qcow2_layers,
+            } => (
+                flags,
+                logical_block_size,
+                image_size,
+                poll_max_us,
+                backing_files,
+                qcow2_layers,
+            ),
+            ControlRequest::SetMemoryTable(_) => {
+                return Err(SetupError::NotSetup("SetMemoryTable"))
+            }
+            ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
+            ControlRequest::StartQueue(_) => return Err(SetupError::NotSetup("StartQueue")),
+            ControlRequest::StopQueue { .. } => return Err(SetupError::NotSetup("StopQueue")),
+            ControlRequest::SetCall { .. } => return Err(SetupError::NotSetup("SetCall")),
+            ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
+        };
     if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE) != 0 {
         return Err(SetupError::UnknownFlags(flags));
     }
@@ -265,6 +290,20 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
     }
     if poll_max_us > MAX_POLL_MAX_US {
         return Err(SetupError::PollBound(poll_max_us));
+    }
+    if backing_files > MAX_BACKING_FILES {
+        return Err(SetupError::BackingFiles(backing_files));
+    }
+    // Bit 0 is the image, bit i its i-th backing file; nothing past the chain.
+    let layer_bits = 1u64 << (backing_files.saturating_add(1));
+    if u64::from(qcow2_layers) >= layer_bits
+        || (qcow2_layers & 1 == 0 && backing_files > 0)
+        || (null && qcow2_layers != 0)
+    {
+        return Err(SetupError::Layers {
+            backing_files,
+            qcow2_layers,
+        });
     }
     let got = files.len();
     let fd_count_error = |expected| SetupError::Control(ControlError::FdCount { got, expected });
@@ -282,8 +321,29 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         let Some(buffered) = files.next() else {
             return Err(fd_count_error(4));
         };
-        // recv_request checked that the fifth fd is there exactly when the flag says so.
-        Image::new(buffered, files.next(), logical_block_size)?
+        // recv_request checked the fd count against the flags and the backing-file count.
+        let direct = if flags & SETUP_FLAG_DIRECT_FD != 0 {
+            files.next()
+        } else {
+            None
+        };
+        if qcow2_layers & 1 == 0 {
+            Image::new(buffered, direct, logical_block_size)?
+        } else {
+            let backing = files
+                .enumerate()
+                .map(|(index, file)| {
+                    let qcow2 = u64::from(qcow2_layers) >> index.saturating_add(1) & 1 == 1;
+                    let format = if qcow2 {
+                        LayerFormat::Qcow2
+                    } else {
+                        LayerFormat::Raw
+                    };
+                    (file, format)
+                })
+                .collect();
+            Image::qcow2(buffered, direct, logical_block_size, backing)?
+        }
     };
     let engine = Engine::new(&ring, submit_eventfd, complete_eventfd, image)?
         .with_poll_max(Duration::from_micros(u64::from(poll_max_us)));

@@ -112,6 +112,19 @@ impl FallocateSupport {
     }
 }
 
+/// Where the next transfer of a qcow2 image's request goes, as its mapping said: the file
+/// (`layer`: 0 the image, *i* its *i*-th backing file), the offset in it, and how many bytes
+/// are contiguous there. A raw image's transfers have none: they go to the image offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferTarget {
+    /// The file of the chain.
+    pub layer: usize,
+    /// Offset in that file of the request's next byte.
+    pub host_offset: u64,
+    /// Bytes contiguous there; the transfer moves at most this many.
+    pub limit: u64,
+}
+
 /// One readv/writev to submit, as computed by [`SlotState::next_transfer`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Transfer {
@@ -125,6 +138,10 @@ pub struct Transfer {
     pub write: bool,
     /// Use the O_DIRECT fd.
     pub direct: bool,
+    /// The file of a qcow2 chain (0, the image, for a raw image).
+    pub layer: usize,
+    /// Bytes the iovecs describe.
+    pub len: u64,
 }
 
 /// One fallocate to submit.
@@ -163,6 +180,11 @@ pub struct SlotState {
     range_next: usize,
     range_end: usize,
     mode: RangeMode,
+    /// Where the next transfer goes (a qcow2 image's mapping), if not to `offset`.
+    target: Option<TransferTarget>,
+    /// An iovec the transfer in flight cut short to its target's limit: its index and the
+    /// bytes cut off, given back when the transfer's result comes.
+    split: Option<(usize, usize)>,
 }
 
 impl SlotState {
@@ -188,6 +210,41 @@ impl SlotState {
             range_next: 0,
             range_end: 0,
             mode: RangeMode::PunchHole,
+            target: None,
+            split: None,
+        }
+    }
+
+    /// The guest offset of the transfer's next byte (meaningful during [`Stage::Transfer`]).
+    pub fn guest_offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The bytes the transfer still has to move.
+    pub fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    /// Sends the next transfer to `target` instead of the image offset (a qcow2 image's
+    /// mapping of [`SlotState::guest_offset`]); it moves at most `target.limit` bytes. Holds
+    /// for one transfer: its result clears it.
+    pub fn set_target(&mut self, target: TransferTarget) {
+        self.target = Some(target);
+    }
+
+    /// Fails the request with `errno` outside any transfer result (a qcow2 metadata error).
+    pub fn fail(&mut self, errno: i32) -> Step {
+        self.restore_split();
+        self.target = None;
+        self.record(Step::Failed(errno))
+    }
+
+    /// Gives back the bytes [`SlotState::next_transfer`] cut off an iovec.
+    fn restore_split(&mut self) {
+        if let Some((index, tail)) = self.split.take() {
+            if let Some(iov) = self.iovecs.get_mut(index) {
+                iov.iov_len = iov.iov_len.saturating_add(tail);
+            }
         }
     }
 
@@ -291,6 +348,8 @@ impl SlotState {
         sync: bool,
     ) -> Step {
         self.opcode = opcode;
+        self.target = None;
+        self.split = None;
         self.iov_next = 0;
         self.iov_end = iovecs.min(self.iovecs.len());
         self.offset = offset;
@@ -351,29 +410,69 @@ impl SlotState {
 
     /// The readv/writev to submit for [`Stage::Transfer`]. `direct_block_size` is the logical
     /// block size when an O_DIRECT fd exists; it is used only if the image offset and every
-    /// iovec are aligned to it (the buffered fd is correct for any alignment).
+    /// iovec are aligned to it (the buffered fd is correct for any alignment), and only for the
+    /// image itself, not a backing file. With a target ([`SlotState::set_target`]) the
+    /// transfer goes there and moves at most its limit, cutting the last iovec short if need
+    /// be (until the result comes).
     pub fn next_transfer(&mut self, direct_block_size: Option<u32>) -> Transfer {
-        let pending = self
+        self.restore_split();
+        let start = self.iov_next.min(self.iov_end);
+        let available = self.iov_end.saturating_sub(start).min(MAX_IOVECS_PER_OP);
+        let mut count = available;
+        if let Some(target) = self.target {
+            let mut total = 0u64;
+            for (i, iov) in self
+                .iovecs
+                .get_mut(start..start.saturating_add(available))
+                .unwrap_or_default()
+                .iter_mut()
+                .enumerate()
+            {
+                let len = iov.iov_len as u64;
+                if total.saturating_add(len) >= target.limit {
+                    // Fits a usize: it is less than or equal to this iovec's length.
+                    let needed = blkplane_proto::usize_from(target.limit.saturating_sub(total));
+                    if needed < iov.iov_len {
+                        self.split =
+                            Some((start.saturating_add(i), iov.iov_len.saturating_sub(needed)));
+                        iov.iov_len = needed;
+                    }
+                    count = i.saturating_add(1);
+                    break;
+                }
+                total = total.saturating_add(len);
+            }
+        }
+        let chunk = self
             .iovecs
-            .get(self.iov_next..self.iov_end)
+            .get(start..start.saturating_add(count))
             .unwrap_or_default();
-        let chunk = pending.get(..MAX_IOVECS_PER_OP).unwrap_or(pending);
+        let (offset, layer) = match self.target {
+            Some(target) => (target.host_offset, target.layer),
+            None => (self.offset, 0),
+        };
         let direct = !self.direct_refused
-            && direct_block_size.is_some_and(|block| direct_io_allowed(self.offset, chunk, block));
+            && layer == 0
+            && direct_block_size.is_some_and(|block| direct_io_allowed(offset, chunk, block));
         self.submitted = chunk.iter().map(|iov| iov.iov_len as u64).sum();
         self.used_direct = direct;
         Transfer {
             iovecs: chunk.as_ptr(),
             // At most MAX_IOVECS_PER_OP, so the conversion never saturates.
             count: u32::try_from(chunk.len()).unwrap_or(u32::MAX),
-            offset: self.offset,
+            offset,
             write: self.opcode == Opcode::Write,
             direct,
+            layer,
+            len: self.submitted,
         }
     }
 
     /// Interprets the result of the transfer issued last.
     pub fn on_transfer(&mut self, result: i32) -> Step {
+        self.restore_split();
+        // A qcow2 image's next transfer is mapped anew from where this one ended.
+        self.target = None;
         // The kernel returns -4095..=-1 for errors; saturating keeps a result outside that
         // (i32::MIN) an unknown errno instead of an overflow.
         let step = if result < 0 {
@@ -560,6 +659,81 @@ mod tests {
             len,
             iovecs,
         }
+    }
+
+    /// The iovecs of a transfer, as (address, length) pairs.
+    fn chunk(t: &Transfer) -> Vec<(usize, usize)> {
+        // SAFETY: t.iovecs points at t.count iovecs in the slot's buffer.
+        parts(unsafe { std::slice::from_raw_parts(t.iovecs, t.count as usize) })
+    }
+
+    #[test]
+    fn a_mapped_transfer_stops_at_its_extent_and_the_next_goes_on_from_there() {
+        let mut slot = slot_with(&[iov(0x1000, 100), iov(0x2000, 50), iov(0x3000, 10)]);
+        let support = FallocateSupport::default();
+        assert_eq!(
+            slot.begin(read(160, 3), &support),
+            Step::Issue(Stage::Transfer)
+        );
+        assert_eq!((slot.guest_offset(), slot.remaining()), (4096, 160));
+        // The extent ends 20 bytes into the second iovec: it is cut there.
+        slot.set_target(TransferTarget {
+            layer: 2,
+            host_offset: 1 << 20,
+            limit: 120,
+        });
+        let t = slot.next_transfer(Some(512));
+        assert_eq!(
+            (t.offset, t.layer, t.len, t.direct),
+            (1 << 20, 2, 120, false)
+        );
+        assert_eq!(chunk(&t), [(0x1000, 100), (0x2000, 20)]);
+        // A short result inside the cut: the cut bytes come back, the rest goes on.
+        assert_eq!(slot.on_transfer(110), Step::Issue(Stage::Transfer));
+        assert_eq!((slot.guest_offset(), slot.remaining()), (4096 + 110, 50));
+        let t = slot.next_transfer(None);
+        assert_eq!(
+            (t.offset, t.layer),
+            (4096 + 110, 0),
+            "no target: the guest offset"
+        );
+        assert_eq!(chunk(&t), [(0x2000 + 10, 40), (0x3000, 10)]);
+        // The next extent is exactly one iovec long: nothing is cut.
+        slot.set_target(TransferTarget {
+            layer: 0,
+            host_offset: 8192,
+            limit: 40,
+        });
+        let t = slot.next_transfer(None);
+        assert_eq!(chunk(&t), [(0x2000 + 10, 40)]);
+        assert_eq!(slot.on_transfer(40), Step::Issue(Stage::Transfer));
+        // A longer extent than the request: all that is left.
+        slot.set_target(TransferTarget {
+            layer: 0,
+            host_offset: 0,
+            limit: 1 << 30,
+        });
+        let t = slot.next_transfer(None);
+        assert_eq!(chunk(&t), [(0x3000, 10)]);
+        assert_eq!(slot.on_transfer(10), Step::Complete(OK));
+    }
+
+    #[test]
+    fn a_failed_mapping_gives_the_cut_bytes_back() {
+        let mut slot = slot_with(&[iov(0x1000, 100)]);
+        let support = FallocateSupport::default();
+        slot.begin(read(100, 1), &support);
+        slot.set_target(TransferTarget {
+            layer: 0,
+            host_offset: 0,
+            limit: 30,
+        });
+        let t = slot.next_transfer(None);
+        assert_eq!(chunk(&t), [(0x1000, 30)]);
+        assert_eq!(slot.fail(libc::EIO), Step::Failed(libc::EIO));
+        assert_eq!(slot.stage(), None);
+        let (buf, _) = slot.buffers().unwrap();
+        assert_eq!(parts(&buf[..1]), [(0x1000, 100)]);
     }
 
     #[test]

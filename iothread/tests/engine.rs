@@ -264,6 +264,8 @@ impl Frontend {
             logical_block_size,
             image_size: options.null_image.unwrap_or(0),
             poll_max_us: options.poll_max_us,
+            backing_files: 0,
+            qcow2_layers: 0,
         };
         frontend.request(&setup, &fds)?;
         Ok(frontend)
@@ -997,6 +999,8 @@ fn a_bad_setup_is_refused() {
             logical_block_size: 512,
             image_size: 0,
             poll_max_us: 0,
+            backing_files: 0,
+            qcow2_layers: 0,
         };
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
@@ -1032,6 +1036,8 @@ fn unknown_setup_flags_are_refused() {
         logical_block_size: 512,
         image_size: 0,
         poll_max_us: 0,
+        backing_files: 0,
+        qcow2_layers: 0,
     });
 }
 
@@ -1042,6 +1048,8 @@ fn a_polling_bound_beyond_the_largest_is_refused() {
         logical_block_size: 512,
         image_size: 0,
         poll_max_us: MAX_POLL_MAX_US + 1,
+        backing_files: 0,
+        qcow2_layers: 0,
     });
 }
 
@@ -1214,6 +1222,8 @@ fn bad_null_image_setups_are_refused() {
             logical_block_size: 512,
             image_size,
             poll_max_us: 0,
+            backing_files: 0,
+            qcow2_layers: 0,
         };
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => {

@@ -5,7 +5,7 @@
 //!
 //! | message | bytes | fds |
 //! |---|---|---|
-//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64, poll_max_us: u32 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd] |
+//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64, poll_max_us: u32, backing_files: u32, qcow2_layers: u32 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd], one read-only fd per backing file (the image's backing file first) |
 //! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64, guest_addr: u64) | one per region, in index order |
 //! | `Shutdown` | tag 3: u32 | — |
 //! | `StartQueue` | tag 4: u32, queue: u16, size: u16, flags: u32, avail_addr: u64, used_addr: u64, next_used: u16, inflight_queue: u16, inflight_queues: u16, inflight_size: u16, inflight_offset: u64 | inflight region, then (with [`QUEUE_FLAG_CALL`]) the call eventfd |
@@ -14,7 +14,7 @@
 //! | `SetDirtyLog` | tag 7: u32, present: u32, size: u64, offset: u64 | the log's memfd when present is 1 |
 //! | reply | tag 0x80: u32, errno: i32 (0 = success) | — |
 //!
-//! `Setup` byte by byte (24 bytes):
+//! `Setup` byte by byte (32 bytes):
 //!
 //! | offset | size | field |
 //! |---|---|---|
@@ -23,6 +23,8 @@
 //! | 8 | 4 | logical_block_size: the alignment O_DIRECT transfers need |
 //! | 12 | 8 | image_size: the null image's size in bytes; 0 for a file image, whose size the iothread reads from the fd itself |
 //! | 20 | 4 | poll_max_us: the bound of the iothread's adaptive polling of its submission queue, in µs (the disk's `--poll-max-us`); 0: it never polls |
+//! | 24 | 4 | backing_files: how many backing-file fds follow the image's (at most [`MAX_BACKING_FILES`]; 0 for a raw image) |
+//! | 28 | 4 | qcow2_layers: bit 0 set: the image is qcow2; bit *i*: the *i*-th backing file is qcow2 (clear: raw); bits past `backing_files` are refused |
 //!
 //! With [`SETUP_FLAG_NULL_IMAGE`] no image fd travels (three fds in all) and
 //! [`SETUP_FLAG_DIRECT_FD`] must be clear: the iothread completes reads by zero-filling the
@@ -58,6 +60,8 @@ pub const MAX_MEMORY_REGIONS: usize = 32;
 /// range): long enough for a driver's next request, short enough that no setting makes an
 /// iothread spin for long.
 pub const MAX_POLL_MAX_US: u32 = 1000;
+/// The most backing files a `Setup` may hand over: the depth bound of a qcow2 backing chain.
+pub const MAX_BACKING_FILES: u32 = 16;
 /// The most file descriptors one message carries.
 pub const MAX_FDS: usize = MAX_MEMORY_REGIONS;
 /// The largest encoded message.
@@ -171,6 +175,10 @@ pub enum ControlRequest {
         /// How long, in µs, the iothread may poll its submission queue before it sleeps with
         /// nothing at the device (the window adapts below it); 0: never.
         poll_max_us: u32,
+        /// How many backing-file fds follow the image's (a qcow2 image's chain, top first).
+        backing_files: u32,
+        /// Bit 0: the image is qcow2; bit *i*: the *i*-th backing file is qcow2 (else raw).
+        qcow2_layers: u32,
     },
     /// Replaces the whole memory table.
     SetMemoryTable(Vec<MemoryRegionSpec>),
@@ -201,8 +209,22 @@ impl ControlRequest {
         match self {
             // A null image has no fds; the iothread refuses DIRECT_FD along with it.
             Self::Setup { flags, .. } if flags & SETUP_FLAG_NULL_IMAGE != 0 => 3,
-            Self::Setup { flags, .. } if flags & SETUP_FLAG_DIRECT_FD != 0 => 5,
-            Self::Setup { .. } => 4,
+            Self::Setup {
+                flags,
+                backing_files,
+                ..
+            } => {
+                let image_fds = if flags & SETUP_FLAG_DIRECT_FD != 0 {
+                    5
+                } else {
+                    4
+                };
+                // More than MAX_FDS cannot travel; the count saturates and the message is
+                // refused for it.
+                usize::try_from(*backing_files)
+                    .unwrap_or(usize::MAX)
+                    .saturating_add(image_fds)
+            }
             Self::SetMemoryTable(regions) => regions.len(),
             Self::Shutdown | Self::StopQueue { .. } => 0,
             Self::StartQueue(spec) if spec.flags & QUEUE_FLAG_CALL != 0 => 2,
@@ -221,12 +243,16 @@ impl ControlRequest {
                 logical_block_size,
                 image_size,
                 poll_max_us,
+                backing_files,
+                qcow2_layers,
             } => {
                 out.extend_from_slice(&TAG_SETUP.to_le_bytes());
                 out.extend_from_slice(&flags.to_le_bytes());
                 out.extend_from_slice(&logical_block_size.to_le_bytes());
                 out.extend_from_slice(&image_size.to_le_bytes());
                 out.extend_from_slice(&poll_max_us.to_le_bytes());
+                out.extend_from_slice(&backing_files.to_le_bytes());
+                out.extend_from_slice(&qcow2_layers.to_le_bytes());
             }
             Self::SetMemoryTable(regions) => {
                 out.extend_from_slice(&TAG_SET_MEMORY_TABLE.to_le_bytes());
@@ -283,6 +309,8 @@ impl ControlRequest {
                 logical_block_size: reader.u32()?,
                 image_size: reader.u64()?,
                 poll_max_us: reader.u32()?,
+                backing_files: reader.u32()?,
+                qcow2_layers: reader.u32()?,
             },
             TAG_SET_MEMORY_TABLE => {
                 let count = reader.u32()? as usize;
@@ -522,12 +550,16 @@ mod tests {
                 logical_block_size: 512,
                 image_size: 0,
                 poll_max_us: 200,
+                backing_files: 2,
+                qcow2_layers: 0b011,
             },
             ControlRequest::Setup {
                 flags: SETUP_FLAG_NULL_IMAGE,
                 logical_block_size: 4096,
                 image_size: 8 << 30,
                 poll_max_us: 0,
+                backing_files: 0,
+                qcow2_layers: 0,
             },
             ControlRequest::SetMemoryTable(vec![
                 MemoryRegionSpec {
@@ -649,19 +681,25 @@ mod tests {
             logical_block_size: 512,
             image_size: 0x0102_0304_0506_0708,
             poll_max_us: 0x0a0b_0c0d,
+            backing_files: 0x1112_1314,
+            qcow2_layers: 0x2122_2324,
         };
         let bytes = setup.encode();
-        assert_eq!(bytes.len(), 24);
+        assert_eq!(bytes.len(), 32);
         assert_eq!(bytes[0..4], 1u32.to_le_bytes());
         assert_eq!(bytes[4..8], SETUP_FLAG_NULL_IMAGE.to_le_bytes());
         assert_eq!(bytes[8..12], 512u32.to_le_bytes());
         assert_eq!(bytes[12..20], 0x0102_0304_0506_0708u64.to_le_bytes());
         assert_eq!(bytes[20..24], 0x0a0b_0c0du32.to_le_bytes());
+        assert_eq!(bytes[24..28], 0x1112_1314u32.to_le_bytes());
+        assert_eq!(bytes[28..32], 0x2122_2324u32.to_le_bytes());
         assert_eq!(ControlRequest::decode(&bytes).unwrap(), setup);
         // The 12-byte Setup of the file-only protocol and the 20-byte one of the iothread
         // that did not poll are now too short.
         assert!(ControlRequest::decode(&bytes[..12]).is_err());
         assert!(ControlRequest::decode(&bytes[..20]).is_err());
+        // So is the 24-byte one of the raw-only iothread.
+        assert!(ControlRequest::decode(&bytes[..24]).is_err());
     }
 
     #[test]
@@ -671,6 +709,8 @@ mod tests {
             logical_block_size: 512,
             image_size: 0,
             poll_max_us: 0,
+            backing_files: 0,
+            qcow2_layers: 0,
         };
         assert_eq!(setup(0).expected_fds(), 4);
         assert_eq!(setup(SETUP_FLAG_DIRECT_FD).expected_fds(), 5);
@@ -679,5 +719,14 @@ mod tests {
             setup(SETUP_FLAG_NULL_IMAGE | SETUP_FLAG_DIRECT_FD).expected_fds(),
             3
         );
+        let chain = ControlRequest::Setup {
+            flags: SETUP_FLAG_DIRECT_FD,
+            logical_block_size: 512,
+            image_size: 0,
+            poll_max_us: 0,
+            backing_files: 2,
+            qcow2_layers: 0b11,
+        };
+        assert_eq!(chain.expected_fds(), 7);
     }
 }

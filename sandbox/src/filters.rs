@@ -127,6 +127,8 @@ const IOTHREAD_START: &[i64] = &[
     // The image probe: a non-blocking read (RWF_NOWAIT) shows whether io_uring could try
     // requests inline itself.
     libc::SYS_preadv2,
+    // imago opening a qcow2 image asks the file system for its zeroing alignment.
+    libc::SYS_fstatfs,
     libc::SYS_capget,
     libc::SYS_capset,
     libc::SYS_seccomp,
@@ -143,6 +145,10 @@ const IOTHREAD: &[i64] = &[
     libc::SYS_io_uring_enter,
     libc::SYS_preadv,
     libc::SYS_pwritev,
+    // qcow2 metadata through imago: zeroing a new cluster (FALLOC_FL_ZERO_RANGE, or
+    // PUNCH_HOLE) and growing the image file to it. Only on the fds it was handed.
+    libc::SYS_fallocate,
+    libc::SYS_ftruncate,
 ];
 
 fn cond(arg: u8, op: Op, value: u64) -> Result<SeccompCondition, BackendError> {

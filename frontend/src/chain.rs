@@ -1,0 +1,315 @@
+//! An image's format and, for qcow2, its backing chain, opened before the frontend locks
+//! down: the iothreads get every file of the chain as an fd and never open a path.
+//!
+//! The format comes from `--format`, or from the image's first bytes (qcow2's magic), as QEMU
+//! probes; an image given as `raw` is served raw even when it starts with qcow2's magic (a
+//! guest can write that header into a raw disk, and probing it later would hand the guest
+//! whatever file its "backing file" names). A backing file's format comes from the overlay's
+//! header (its backing format extension), else from probing it, as QEMU does.
+//!
+//! Backing file names are resolved as QEMU resolves them: an absolute name as it is, a
+//! relative one against the directory of the overlay's path (as given, not canonicalized).
+//! The chain is at most [`MAX_BACKING_FILES`] deep and may not come back to a file it already
+//! holds (compared by device and inode); either is refused with the whole chain in the
+//! message. Every backing file is opened read-only.
+//!
+//! Each qcow2 layer is opened with `imago` once here as well, read-only: a header or table
+//! that imago refuses fails the disk at its start, with the layer's path in the message.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use imago::file::File as ImagoFile;
+use imago::qcow2::Qcow2;
+use imago::{FormatAccess, StorageOpenOptions};
+
+pub use blkplane_proto::control::MAX_BACKING_FILES;
+
+/// The first four bytes of a qcow2 image.
+const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
+
+/// An image format blkplane serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImageFormat {
+    /// The file's bytes are the disk's.
+    Raw,
+    /// QEMU's qcow2 (versions 2 and 3), possibly with a backing chain.
+    Qcow2,
+}
+
+impl ImageFormat {
+    /// The name QEMU uses (`qemu-img info`'s "file format").
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// One backing file of a qcow2 chain, opened read-only.
+#[derive(Debug)]
+pub struct BackingFile {
+    /// The file.
+    pub file: File,
+    /// Its format.
+    pub format: ImageFormat,
+    /// The path it was opened at.
+    pub path: PathBuf,
+}
+
+/// A qcow2 image's geometry and chain.
+#[derive(Debug)]
+pub struct Chain {
+    /// The virtual disk size.
+    pub size: u64,
+    /// The backing files, the image's own first.
+    pub backing: Vec<BackingFile>,
+}
+
+/// Why an image or its chain cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    /// Reading a file's first bytes failed.
+    #[error("reading {path}: {source}")]
+    Probe {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// imago refused a qcow2 layer.
+    #[error("{path} is not a qcow2 image blkplane can serve: {source}")]
+    Qcow2 {
+        /// The layer.
+        path: PathBuf,
+        /// imago's reason.
+        source: io::Error,
+    },
+    /// A layer keeps its data in an external data file.
+    #[error("{0}: external data files are not supported")]
+    ExternalDataFile(PathBuf),
+    /// A backing file's name in a header is not UTF-8 or is empty.
+    #[error("{path}: unusable backing file name {name:?}")]
+    BackingName {
+        /// The overlay.
+        path: PathBuf,
+        /// The name in its header.
+        name: String,
+    },
+    /// A backing format blkplane does not serve.
+    #[error("{path}: backing file {backing} has format {format:?}; only raw and qcow2 are served")]
+    BackingFormat {
+        /// The overlay.
+        path: PathBuf,
+        /// The backing file.
+        backing: PathBuf,
+        /// The format its header names.
+        format: String,
+    },
+    /// A backing file cannot be opened.
+    #[error("cannot open backing file {backing} of {path}: {source}")]
+    OpenBacking {
+        /// The overlay.
+        path: PathBuf,
+        /// The backing file.
+        backing: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// The chain is deeper than [`MAX_BACKING_FILES`].
+    #[error("backing chain {chain} is deeper than {MAX_BACKING_FILES} backing files")]
+    TooDeep {
+        /// The chain, top first.
+        chain: String,
+    },
+    /// The chain comes back to a file it holds already.
+    #[error("backing chain {chain} loops")]
+    Loop {
+        /// The chain, top first, ending with the file seen twice.
+        chain: String,
+    },
+}
+
+/// The format of `file` from its first bytes: qcow2's magic, or raw.
+pub fn probe(file: &File, path: &Path) -> Result<ImageFormat, ChainError> {
+    let mut magic = [0u8; 4];
+    let mut filled = 0usize;
+    while let Some(rest) = magic.get_mut(filled..).filter(|rest| !rest.is_empty()) {
+        match file.read_at(rest, filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled = filled.saturating_add(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(ChainError::Probe {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(if filled == magic.len() && magic == QCOW2_MAGIC {
+        ImageFormat::Qcow2
+    } else {
+        ImageFormat::Raw
+    })
+}
+
+/// What a qcow2 header says about the layer below: the backing file's name and, if the header
+/// names it, its format.
+type BackingRef = (String, Option<String>);
+
+/// Opens a qcow2 layer with imago, read-only: its virtual size, and its backing file's name
+/// and format, if it has one.
+fn read_header(file: &File, path: &Path) -> Result<(u64, Option<BackingRef>), ChainError> {
+    let qcow2_error = |source| ChainError::Qcow2 {
+        path: path.to_owned(),
+        source,
+    };
+    let dup = file.try_clone().map_err(qcow2_error)?;
+    let storage = ImagoFile::from_open_file(dup, StorageOpenOptions::new().write(false))
+        .map_err(qcow2_error)?;
+    let qcow2 = Qcow2::<ImagoFile>::open_image(storage, false).map_err(qcow2_error)?;
+    if qcow2.requires_external_data_file() {
+        return Err(ChainError::ExternalDataFile(path.to_owned()));
+    }
+    let backing = qcow2
+        .implicit_backing_file()
+        .map(|name| (name.clone(), qcow2.implicit_backing_format().cloned()));
+    let size = FormatAccess::new(qcow2).size();
+    Ok((size, backing))
+}
+
+/// Where QEMU looks for an overlay's backing file `name`.
+pub fn resolve(overlay: &Path, name: &str) -> PathBuf {
+    let name = Path::new(name);
+    if name.is_absolute() {
+        return name.to_owned();
+    }
+    match overlay.parent() {
+        Some(dir) => dir.join(name),
+        None => name.to_owned(),
+    }
+}
+
+fn describe(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" -> ")
+}
+
+/// Opens the backing chain of the qcow2 image `file` at `path`.
+pub fn open(file: &File, path: &Path) -> Result<Chain, ChainError> {
+    let identity = |file: &File, at: &Path| {
+        file.metadata()
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|source| ChainError::Probe {
+                path: at.to_owned(),
+                source,
+            })
+    };
+    let mut seen = vec![identity(file, path)?];
+    let mut paths = vec![path.to_owned()];
+    let (size, mut next) = read_header(file, path)?;
+    let mut backing = Vec::new();
+    while let Some((name, format_name)) = next.take() {
+        let overlay = paths.last().cloned().unwrap_or_default();
+        if name.is_empty() || name.contains('\0') {
+            return Err(ChainError::BackingName {
+                path: overlay,
+                name,
+            });
+        }
+        let backing_path = resolve(&overlay, &name);
+        paths.push(backing_path.clone());
+        if backing.len() >= MAX_BACKING_FILES as usize {
+            return Err(ChainError::TooDeep {
+                chain: describe(&paths),
+            });
+        }
+        let backing_file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&backing_path)
+            .map_err(|source| ChainError::OpenBacking {
+                path: overlay.clone(),
+                backing: backing_path.clone(),
+                source,
+            })?;
+        let id = identity(&backing_file, &backing_path)?;
+        if seen.contains(&id) {
+            return Err(ChainError::Loop {
+                chain: describe(&paths),
+            });
+        }
+        seen.push(id);
+        let format = match format_name.as_deref() {
+            Some("qcow2") => ImageFormat::Qcow2,
+            Some("raw") => ImageFormat::Raw,
+            Some(other) => {
+                return Err(ChainError::BackingFormat {
+                    path: overlay,
+                    backing: backing_path,
+                    format: other.to_owned(),
+                })
+            }
+            None => probe(&backing_file, &backing_path)?,
+        };
+        if format == ImageFormat::Qcow2 {
+            next = read_header(&backing_file, &backing_path)?.1;
+        }
+        backing.push(BackingFile {
+            file: backing_file,
+            format,
+            path: backing_path,
+        });
+    }
+    Ok(Chain { size, backing })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_names_resolve_against_the_overlay_directory() {
+        assert_eq!(
+            resolve(Path::new("/images/vm/top.qcow2"), "base.qcow2"),
+            PathBuf::from("/images/vm/base.qcow2")
+        );
+        assert_eq!(
+            resolve(Path::new("/images/vm/top.qcow2"), "../golden/base.raw"),
+            PathBuf::from("/images/vm/../golden/base.raw")
+        );
+        assert_eq!(
+            resolve(Path::new("/images/vm/top.qcow2"), "/srv/base.qcow2"),
+            PathBuf::from("/srv/base.qcow2")
+        );
+        assert_eq!(
+            resolve(Path::new("top.qcow2"), "base.qcow2"),
+            PathBuf::from("base.qcow2")
+        );
+    }
+
+    #[test]
+    fn probing_finds_the_magic_only_at_the_start() {
+        let dir = std::env::temp_dir().join(format!("blkplane-chain-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("probe");
+        for (bytes, format) in [
+            (&b"QFI\xfb\0\0\0\x03"[..], ImageFormat::Qcow2),
+            (&b"QFI"[..], ImageFormat::Raw),
+            (&b""[..], ImageFormat::Raw),
+            (&b"\0QFI\xfb"[..], ImageFormat::Raw),
+        ] {
+            std::fs::write(&path, bytes).unwrap();
+            let file = File::open(&path).unwrap();
+            assert_eq!(probe(&file, &path).unwrap(), format, "{bytes:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,252 @@
+//! How the engine runs a request on a qcow2 image: each transfer is mapped first (an L2 cache
+//! hit costs no system call), then
+//! - data in a file (the image's allocated clusters, a backing file's) moves between guest
+//!   memory and that file with the engine's own readv/writev at the mapped offset, through
+//!   io_uring or inline as for a raw image;
+//! - a read of zeros (unallocated down the whole chain, a zero cluster) zero-fills the guest
+//!   buffers without I/O, and a read of a compressed cluster goes through imago;
+//! - a write into a cluster the image does not own yet is an allocating write: imago prepares
+//!   the cluster (copy-on-write of what the write leaves), the data is written into it with
+//!   `pwritev`, and only then is the mapping committed and the metadata written back, all
+//!   before the loop goes on (see [`crate::qcow2`] for why it holds nothing across the loop);
+//! - write-zeroes and discard become zero clusters through imago; a flush writes the metadata
+//!   back before its fdatasync.
+//!
+//! A transfer moves at most one mapped extent; its result maps the next one. A failure of the
+//! metadata (an entry past the end of the file, a read error) fails that request with IOERR
+//! and leaves the disk up.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use blkplane_proto::ring::Opcode;
+use log::warn;
+
+use super::{Core, EngineError, Token};
+use crate::qcow2::Extent;
+use crate::slot::{self, RangeMode, Stage, Step, TransferTarget};
+
+/// The most bytes one mapped transfer moves, so that its byte count is a valid result.
+const MAX_EXTENT: u64 = 1 << 30;
+
+/// The errno of an imago error: the system call's, or `EIO` for a metadata problem.
+fn errno_of(e: &io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+impl Core {
+    /// Runs a slot's transfer on a qcow2 image, extent by extent, until it is handed to io_uring
+    /// or finished.
+    pub(super) fn map_transfer(&mut self, slot: u32) -> Result<(), EngineError> {
+        loop {
+            match self.next_extent(slot)? {
+                None => return Ok(()),
+                Some(Step::Issue(Stage::Transfer)) => continue,
+                Some(step) => return self.apply(slot, step),
+            }
+        }
+    }
+
+    /// Maps and runs the slot's next extent: `None` when it went to io_uring, else what the
+    /// slot's state machine makes of it.
+    fn next_extent(&mut self, slot: u32) -> Result<Option<Step>, EngineError> {
+        let count = self.slots.count();
+        let bad_slot = EngineError::BadSlot { slot, count };
+        let Core { states, image, .. } = self;
+        let state = states.get_mut(slot as usize).ok_or(bad_slot)?;
+        let Some(chain) = image.qcow2_chain_mut() else {
+            return Ok(Some(state.fail(libc::EBADF)));
+        };
+        let offset = state.guest_offset();
+        let write = state.opcode() == Opcode::Write;
+        let extent = match chain.map(offset, state.remaining().min(MAX_EXTENT)) {
+            Ok(extent) if !extent.is_empty() => extent,
+            Ok(_) => return Ok(Some(state.fail(libc::EIO))),
+            Err(e) => {
+                if self.complaints.should_log() {
+                    warn!("slot {slot}: mapping guest offset {offset}: {e}");
+                }
+                return Ok(Some(state.fail(errno_of(&e))));
+            }
+        };
+        let step = match (extent, write) {
+            (
+                Extent::Data {
+                    layer,
+                    host_offset,
+                    len,
+                    writable,
+                },
+                _,
+            ) if !write || writable => {
+                state.set_target(TransferTarget {
+                    layer,
+                    host_offset,
+                    limit: len,
+                });
+                if image.transfers_inline() {
+                    return self.inline_call(slot).map(Some);
+                }
+                self.counters.count_queued();
+                self.pending.push_back(Token::Slot {
+                    slot,
+                    stage: Stage::Transfer,
+                });
+                return Ok(None);
+            }
+            (Extent::Zero { len }, false) => {
+                let transfer = limited(state, len);
+                for iov in iovecs_of(&transfer) {
+                    // SAFETY: the slot's iovecs point into guest memory mapped writable while
+                    // the request is in flight (as `request::parse` left them); no Rust
+                    // reference to guest memory exists, so this raw write aliases nothing.
+                    unsafe { std::ptr::write_bytes(iov.iov_base.cast::<u8>(), 0, iov.iov_len) };
+                }
+                state.on_transfer(result_of(transfer.len))
+            }
+            (Extent::Compressed { len }, false) => {
+                let transfer = limited(state, len);
+                // SAFETY: as above, the iovecs describe guest memory mapped writable.
+                match unsafe { chain.read_through(offset, transfer.len, iovecs_of(&transfer)) } {
+                    Ok(()) => state.on_transfer(result_of(transfer.len)),
+                    Err(e) => {
+                        if self.complaints.should_log() {
+                            warn!("slot {slot}: reading compressed data at {offset}: {e}");
+                        }
+                        state.fail(errno_of(&e))
+                    }
+                }
+            }
+            (extent, _) => {
+                let result =
+                    chain.allocating_write(offset, extent.len(), |fd, host_offset, len| {
+                        state.set_target(TransferTarget {
+                            layer: 0,
+                            host_offset,
+                            limit: len,
+                        });
+                        let transfer = state.next_transfer(None);
+                        write_all(fd, iovecs_of(&transfer), host_offset)
+                    });
+                match result {
+                    Ok(written) => state.on_transfer(result_of(written)),
+                    Err(e) => {
+                        if self.complaints.should_log() {
+                            warn!("slot {slot}: allocating write at {offset}: {e}");
+                        }
+                        state.fail(errno_of(&e))
+                    }
+                }
+            }
+        };
+        Ok(Some(step))
+    }
+
+    /// Runs a write-zeroes' or discard's ranges on a qcow2 image, one after the other, through
+    /// imago.
+    pub(super) fn zero_or_discard(&mut self, slot: u32) -> Result<(), EngineError> {
+        let count = self.slots.count();
+        loop {
+            let Core {
+                states,
+                image,
+                support,
+                ..
+            } = self;
+            let state = states
+                .get_mut(slot as usize)
+                .ok_or(EngineError::BadSlot { slot, count })?;
+            let (Some(range), Some(chain)) = (state.current_range(), image.qcow2_chain_mut())
+            else {
+                let step = state.fail(libc::EIO);
+                return self.apply(slot, step);
+            };
+            let unmap = range.mode == RangeMode::PunchHole.flags();
+            let result = if state.opcode() == Opcode::Discard {
+                chain.discard(range.offset, range.len)
+            } else {
+                chain.zero(range.offset, range.len, unmap)
+            };
+            let step = match result {
+                Ok(()) => state.on_range(0, support),
+                Err(e) => {
+                    if self.complaints.should_log() {
+                        warn!(
+                            "slot {slot}: zeroing {} bytes at {}: {e}",
+                            range.len, range.offset
+                        );
+                    }
+                    state.fail(errno_of(&e))
+                }
+            };
+            if step != Step::Issue(Stage::Range) {
+                return self.apply(slot, step);
+            }
+        }
+    }
+
+    /// Writes the qcow2 metadata back before a flush's fdatasync; `Some` with the failed step
+    /// if that fails.
+    pub(super) fn flush_metadata(&mut self, slot: u32) -> Option<Step> {
+        let chain = self.image.qcow2_chain()?;
+        let error = chain.flush_metadata().err()?;
+        warn!("slot {slot}: writing the qcow2 metadata back: {error}");
+        Some(self.states.get_mut(slot as usize)?.fail(errno_of(&error)))
+    }
+}
+
+/// The slot's next transfer, limited to `len` bytes, to no file (the caller moves the data).
+fn limited(state: &mut slot::SlotState, len: u64) -> slot::Transfer {
+    state.set_target(TransferTarget {
+        layer: 0,
+        host_offset: 0,
+        limit: len,
+    });
+    state.next_transfer(None)
+}
+
+/// The iovecs of a transfer.
+fn iovecs_of(transfer: &slot::Transfer) -> &[libc::iovec] {
+    if transfer.count == 0 || transfer.iovecs.is_null() {
+        return &[];
+    }
+    // SAFETY: `next_transfer` points `iovecs` at `count` initialized iovecs in the slot's own
+    // buffer, which is neither moved nor changed until the slot's next transfer is computed.
+    unsafe { std::slice::from_raw_parts(transfer.iovecs, transfer.count as usize) }
+}
+
+/// A byte count as a transfer result (at most [`MAX_EXTENT`], so it fits).
+fn result_of(len: u64) -> i32 {
+    i32::try_from(len).unwrap_or(-libc::EIO)
+}
+
+/// Writes every byte `iovecs` describe at `offset` of `fd`, continuing short writes.
+fn write_all(fd: RawFd, iovecs: &[libc::iovec], mut offset: u64) -> io::Result<()> {
+    // The slow path of a qcow2 image (the first write into a cluster): a copy to advance is fine.
+    let mut left = iovecs.to_vec();
+    let mut start = 0usize;
+    while let Some(pending) = left.get_mut(start..).filter(|p| !p.is_empty()) {
+        let count = libc::c_int::try_from(pending.len().min(slot::MAX_IOVECS_PER_OP))
+            .unwrap_or(libc::c_int::MAX);
+        let at = libc::off_t::try_from(offset)
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: the iovecs describe guest memory mapped while the request is in flight (the
+        // kernel only reads it); the call returns before anything changes.
+        let rc = unsafe { libc::pwritev(fd, pending.as_ptr(), count, at) };
+        let written = match u64::try_from(rc) {
+            Ok(0) => return Err(io::Error::from_raw_os_error(libc::EIO)),
+            Ok(n) => n,
+            Err(_) => {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+        };
+        offset = offset.saturating_add(written);
+        // advance() returns at most pending.len().
+        start = start.saturating_add(slot::advance(pending, written));
+    }
+    Ok(())
+}

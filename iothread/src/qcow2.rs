@@ -1,0 +1,448 @@
+//! A qcow2 image and its backing chain, as the iothread serves it: the `imago` crate owns the
+//! metadata (header, L1/L2 tables, refcounts, its L2 cache) and answers where each guest range
+//! lives; the data itself moves between guest memory and the files with the engine's own
+//! io_uring operations and iovecs, never through imago's buffers (compressed clusters, which
+//! only imago can decode, excepted).
+//!
+//! imago is used in its `sync` mode (no async runtime, plain `pread`/`pwrite` for metadata):
+//! a lookup that hits its L2 cache makes no system call; a miss, an allocation or a zeroing
+//! costs the loop exactly the metadata I/O it needs. Every call into imago runs to its end
+//! before the loop goes on, so no imago lock is ever held across the loop and no other request
+//! can find one taken (its locks are not reentrant: a prepared allocation kept open across the
+//! loop would deadlock the next allocation in the same L2 table).
+//!
+//! Crash consistency: an allocating write writes its data into the prepared cluster first and
+//! only then commits the mapping, and every metadata change is written back to the file (the
+//! page cache; fdatasync at the guest's flush) before the request completes. So an iothread
+//! killed at any point leaves either the old mapping (the write was not acknowledged, and the
+//! frontend resubmits it) or the new one with its data; at worst a cluster is leaked, which
+//! `qemu-img check` reports as a leak, not as corruption.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+
+use imago::file::File as ImagoFile;
+use imago::qcow2::Qcow2;
+use imago::raw::Raw;
+use imago::{FormatAccess, Mapping, StorageOpenOptions};
+use log::info;
+
+/// How many zero bytes one write of a qcow2 v2 image's write-zeroes carries.
+const ZERO_CHUNK: usize = 1 << 20;
+
+/// The format of one layer of the chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerFormat {
+    /// Raw data.
+    Raw,
+    /// qcow2 (v2 or v3).
+    Qcow2,
+}
+
+/// Why a chain could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum Qcow2Error {
+    /// imago refused a layer (a bad header, an absurd table size, ...).
+    #[error("opening layer {layer} ({format:?}): {source}")]
+    Open {
+        /// 0 for the image, *i* for its *i*-th backing file.
+        layer: usize,
+        /// The layer's format.
+        format: LayerFormat,
+        /// imago's reason.
+        source: io::Error,
+    },
+    /// The top layer must be qcow2 (a raw image is served without imago).
+    #[error("the image of a qcow2 chain is raw")]
+    RawTop,
+    /// A layer names a backing file but none was handed over, or one was handed over for a
+    /// layer without one.
+    #[error("layer {layer} {problem}")]
+    ChainMismatch {
+        /// The layer.
+        layer: usize,
+        /// What does not match.
+        problem: &'static str,
+    },
+    /// qcow2 images with an external data file are not served (yet).
+    #[error("layer {0} keeps its data in an external data file, which is not supported")]
+    ExternalDataFile(usize),
+}
+
+impl Qcow2Error {
+    /// The errno to answer a `Setup` with.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Self::Open { source, .. } => source.raw_os_error().unwrap_or(libc::EINVAL),
+            Self::ExternalDataFile(_) => libc::EOPNOTSUPP,
+            Self::RawTop | Self::ChainMismatch { .. } => libc::EINVAL,
+        }
+    }
+}
+
+/// Where a guest range's data is, as far as it is contiguous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// In a file: `layer` (0 the image, *i* its *i*-th backing file), at `host_offset`.
+    /// `writable`: a write may go there directly (an allocated cluster of the image itself).
+    Data {
+        /// The layer whose file holds the data.
+        layer: usize,
+        /// Offset in that file.
+        host_offset: u64,
+        /// Contiguous bytes.
+        len: u64,
+        /// Writes may go straight there.
+        writable: bool,
+    },
+    /// Reads as zeros (unallocated all the way down the chain, or a zero cluster); `len` bytes.
+    Zero {
+        /// Contiguous bytes.
+        len: u64,
+    },
+    /// Encoded (compressed): only imago can read it; `len` bytes.
+    Compressed {
+        /// Contiguous bytes.
+        len: u64,
+    },
+}
+
+impl Extent {
+    /// The bytes this extent covers.
+    pub fn len(&self) -> u64 {
+        match *self {
+            Self::Data { len, .. } | Self::Zero { len } | Self::Compressed { len } => len,
+        }
+    }
+
+    /// Whether it covers nothing (only at the end of the image).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One file of the chain: what the engine's own operations on it use.
+#[derive(Debug)]
+struct Layer {
+    /// imago's storage object of this file, to recognize it in a mapping (compared by address,
+    /// never dereferenced through this pointer). The storage lives in a boxed format driver
+    /// that is never moved or dropped before the chain.
+    storage: *const ImagoFile,
+    /// The buffered fd (owned by imago's storage object).
+    fd: RawFd,
+}
+
+/// A qcow2 image with its backing chain, opened on fds the frontend sent.
+pub struct Qcow2Image {
+    top: FormatAccess<ImagoFile>,
+    layers: Vec<Layer>,
+    writable: bool,
+    /// Bounce buffer of compressed reads, grown to the largest one seen.
+    bounce: Vec<u8>,
+}
+
+impl std::fmt::Debug for Qcow2Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2Image")
+            .field("size", &self.top.size())
+            .field("layers", &self.layers.len())
+            .field("writable", &self.writable)
+            .finish()
+    }
+}
+
+// SAFETY: `Layer::storage` is only compared, never dereferenced; everything else is Send.
+unsafe impl Send for Qcow2Image {}
+
+/// Whether `file` was opened for writing.
+fn opened_writable(file: &File) -> bool {
+    // SAFETY: F_GETFL only reads the status flags of an open fd.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    flags >= 0 && flags & libc::O_ACCMODE == libc::O_RDWR
+}
+
+impl Qcow2Image {
+    /// Opens the chain: `top` (qcow2, read-write if its fd is) and `backing`, the image's
+    /// backing file first, each with its format, all read-only. Every layer that names a
+    /// backing file gets the next one; the last must name none.
+    pub fn open(top: File, backing: Vec<(File, LayerFormat)>) -> Result<Self, Qcow2Error> {
+        let writable = opened_writable(&top);
+        let depth = backing.len();
+        let mut layers: Vec<Layer> = Vec::with_capacity(depth.saturating_add(1));
+        // Built from the bottom up: each layer becomes the next one's backing.
+        let mut below: Option<FormatAccess<ImagoFile>> = None;
+        let mut files: Vec<(usize, File, LayerFormat, bool)> = backing
+            .into_iter()
+            .enumerate()
+            .map(|(index, (file, format))| (index.saturating_add(1), file, format, false))
+            .collect();
+        files.insert(0, (0, top, LayerFormat::Qcow2, writable));
+        while let Some((layer, file, format, layer_writable)) = files.pop() {
+            let fd = file.as_raw_fd();
+            let open_error = |source| Qcow2Error::Open {
+                layer,
+                format,
+                source,
+            };
+            let storage =
+                ImagoFile::from_open_file(file, StorageOpenOptions::new().write(layer_writable))
+                    .map_err(open_error)?;
+            let access = match format {
+                LayerFormat::Raw => {
+                    if layer == 0 {
+                        return Err(Qcow2Error::RawTop);
+                    }
+                    if below.is_some() {
+                        return Err(Qcow2Error::ChainMismatch {
+                            layer,
+                            problem: "is raw but was handed a backing file",
+                        });
+                    }
+                    FormatAccess::new(Raw::open_image(storage, false).map_err(open_error)?)
+                }
+                LayerFormat::Qcow2 => {
+                    let mut qcow2 = Qcow2::<ImagoFile>::open_image(storage, layer_writable)
+                        .map_err(open_error)?;
+                    if qcow2.requires_external_data_file() {
+                        return Err(Qcow2Error::ExternalDataFile(layer));
+                    }
+                    match (qcow2.implicit_backing_file().is_some(), below.take()) {
+                        (true, Some(backing)) => qcow2.set_backing(Some(backing)),
+                        (false, None) => {}
+                        (true, None) => {
+                            return Err(Qcow2Error::ChainMismatch {
+                                layer,
+                                problem: "names a backing file, but none was handed over",
+                            })
+                        }
+                        (false, Some(_)) => {
+                            return Err(Qcow2Error::ChainMismatch {
+                                layer,
+                                problem: "names no backing file, but one was handed over",
+                            })
+                        }
+                    }
+                    FormatAccess::new(qcow2)
+                }
+            };
+            // The storages this layer added to those below it are its own file.
+            let known = layers.len();
+            for storage in access.inner().collect_storage_dependencies() {
+                let ptr: *const ImagoFile = storage;
+                if !layers.iter().any(|l| std::ptr::eq(l.storage, ptr)) {
+                    layers.push(Layer { storage: ptr, fd });
+                }
+            }
+            if layers.len() != known.saturating_add(1) {
+                return Err(Qcow2Error::ChainMismatch {
+                    layer,
+                    problem: "does not have exactly one file",
+                });
+            }
+            below = Some(access);
+        }
+        let top = below.ok_or(Qcow2Error::RawTop)?;
+        // Built bottom-up: reverse so that index 0 is the image.
+        layers.reverse();
+        info!(
+            "qcow2 image of {} bytes, {} backing file(s), {}",
+            top.size(),
+            depth,
+            if writable { "read-write" } else { "read-only" }
+        );
+        Ok(Self {
+            top,
+            layers,
+            writable,
+            bounce: Vec::new(),
+        })
+    }
+
+    /// The virtual disk size.
+    pub fn size(&self) -> u64 {
+        self.top.size()
+    }
+
+    /// The buffered fd of `layer` (0 the image).
+    pub fn layer_fd(&self, layer: usize) -> Option<RawFd> {
+        self.layers.get(layer).map(|l| l.fd)
+    }
+
+    /// Where the `max_len` bytes from guest offset `offset` are, as far as contiguous (at most
+    /// `max_len`). An `L2` cache hit makes no system call. Past the end of the image: `EINVAL`
+    /// (the request parser keeps requests inside it).
+    pub fn map(&self, offset: u64, max_len: u64) -> io::Result<Extent> {
+        let (mapping, len) = self.top.get_mapping(offset, max_len)?;
+        let len = len.min(max_len);
+        Ok(match mapping {
+            Mapping::Raw {
+                storage,
+                offset: host_offset,
+                writable,
+                ..
+            } => {
+                let ptr: *const ImagoFile = storage;
+                let layer = self
+                    .layers
+                    .iter()
+                    .position(|l| std::ptr::eq(l.storage, ptr))
+                    .ok_or_else(|| io::Error::other("mapping into a file outside the chain"))?;
+                Extent::Data {
+                    layer,
+                    host_offset,
+                    len,
+                    writable: writable && layer == 0,
+                }
+            }
+            Mapping::Zero { .. } => Extent::Zero { len },
+            Mapping::Special { .. } => Extent::Compressed { len },
+            Mapping::Eof { .. } => return Err(io::Error::from_raw_os_error(libc::EINVAL)),
+            // A mapping kind a newer imago may add: not servable.
+            _ => return Err(io::Error::from(io::ErrorKind::Unsupported)),
+        })
+    }
+
+    /// Reads `len` bytes at guest offset `offset` through imago (compressed clusters) into
+    /// `iovecs`, which describe at least `len` bytes of guest memory.
+    ///
+    /// # Safety
+    /// Every iovec must describe memory mapped writable for the whole call.
+    pub unsafe fn read_through(
+        &mut self,
+        offset: u64,
+        len: u64,
+        iovecs: &[libc::iovec],
+    ) -> io::Result<()> {
+        let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        if self.bounce.len() < len {
+            self.bounce.resize(len, 0);
+        }
+        let buffer = self
+            .bounce
+            .get_mut(..len)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
+        self.top.read(&mut *buffer, offset)?;
+        let mut copied = 0usize;
+        for iov in iovecs {
+            let Some(rest) = buffer.get(copied..) else {
+                break;
+            };
+            let n = iov.iov_len.min(rest.len());
+            // SAFETY: the caller guarantees the iovec is mapped writable; `rest` has at least
+            // `n` bytes; guest memory is never a Rust reference, so nothing aliases.
+            unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), iov.iov_base.cast::<u8>(), n) };
+            copied = copied.saturating_add(n);
+        }
+        Ok(())
+    }
+
+    /// An allocating write of the `len` bytes at guest offset `offset` (a cluster the image
+    /// does not own yet: unallocated, in a backing file, a zero or compressed cluster): imago
+    /// prepares a new cluster (copying what the write does not cover from below), `write`
+    /// writes the data to it (`write(fd, host_offset, bytes)`, all of them or an error), and
+    /// only then is the mapping committed and the metadata written back. Returns how many of
+    /// the `len` bytes were mapped and written (the rest takes another call).
+    pub fn allocating_write(
+        &self,
+        offset: u64,
+        len: u64,
+        write: impl FnOnce(RawFd, u64, u64) -> io::Result<()>,
+    ) -> io::Result<u64> {
+        if !self.writable {
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
+        }
+        let prepared = self.top.prepare_data_mapping(offset, len, true)?;
+        let ptr: *const ImagoFile = prepared.storage();
+        let fd = self
+            .layers
+            .first()
+            .filter(|l| std::ptr::eq(l.storage, ptr))
+            .map(|l| l.fd)
+            .ok_or_else(|| io::Error::other("allocation outside the image file"))?;
+        let mapped = prepared.length().min(len);
+        // Dropping `prepared` on an error releases the prepared cluster: the old mapping stays.
+        write(fd, prepared.offset(), mapped)?;
+        self.top.commit_data_mapping(prepared)?;
+        self.top.flush()?;
+        Ok(mapped)
+    }
+
+    /// Zeroes the range (write-zeroes): with `unmap`, whole clusters become zero clusters
+    /// whose data clusters are freed (nothing of a backing file shows through); without it
+    /// they become zero clusters that keep their allocation; partial clusters at the ends are
+    /// written with zeros. A qcow2 v2 image, which has no zero clusters, gets written zeros.
+    /// Then the metadata is written back.
+    pub fn zero(&mut self, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
+        }
+        let deallocated = if unmap {
+            match self.top.discard_to_zero(offset, len) {
+                Err(e) if e.kind() == io::ErrorKind::Unsupported => false,
+                result => result.map(|()| true)?,
+            }
+        } else {
+            false
+        };
+        if !deallocated {
+            match self.top.write_zeroes(offset, len) {
+                // qcow2 v2 has no zero clusters: write zeros as data.
+                Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                    self.write_zeros_as_data(offset, len)?
+                }
+                result => result?,
+            }
+        }
+        self.top.flush()
+    }
+
+    /// Writes `len` zero bytes at `offset` through imago (allocating as needed), a chunk of
+    /// [`ZERO_CHUNK`] at a time.
+    fn write_zeros_as_data(&mut self, mut offset: u64, len: u64) -> io::Result<()> {
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        if self.bounce.len() < ZERO_CHUNK {
+            self.bounce.resize(ZERO_CHUNK, 0);
+        }
+        let zeros = self
+            .bounce
+            .get_mut(..ZERO_CHUNK)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
+        // The bounce buffer also serves compressed reads: clear it.
+        zeros.fill(0);
+        while offset < end {
+            // At most ZERO_CHUNK, which fits a usize.
+            let n = usize::try_from(end.saturating_sub(offset))
+                .unwrap_or(ZERO_CHUNK)
+                .min(ZERO_CHUNK);
+            let chunk = zeros
+                .get(..n)
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
+            self.top.write(chunk, offset)?;
+            offset = offset.saturating_add(n as u64);
+        }
+        Ok(())
+    }
+
+    /// Discards the range: the whole clusters in it become zero clusters and their data
+    /// clusters are freed (the partial ones at its ends keep their data, and nothing of a
+    /// backing file shows through); then the metadata is written back. Discard is advisory, so
+    /// an image that cannot (qcow2 v2, without zero clusters) keeps its data.
+    pub fn discard(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
+        }
+        match self.top.discard_to_any(offset, len) {
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => return Ok(()),
+            result => result?,
+        }
+        self.top.flush()
+    }
+
+    /// Writes every cached metadata change back to the image file (not synced).
+    pub fn flush_metadata(&self) -> io::Result<()> {
+        self.top.flush()
+    }
+}

@@ -1,0 +1,460 @@
+//! qcow2 images made by `qemu-img`, served to libblkio: the layout options qemu-img has that
+//! change how data is found (cluster sizes of 4 KiB, 64 KiB and 2 MiB, lazy refcounts,
+//! version 2, compressed clusters), a backing chain of three with relative names, and the
+//! images a frontend must refuse (extended L2 entries among them: imago 0.2 lacks them). Each writes through blkplane what it also
+//! writes into a raw mirror, then `qemu-img check` must find no corruption and `qemu-img
+//! compare` no difference between the qcow2 image's guest view and the mirror.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use blkplane_tests::client::errno_name;
+use blkplane_tests::tools::{output_within, run_tool, text};
+use blkplane_tests::*;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const DISK: u64 = 64 * MIB;
+
+#[track_caller]
+fn ok<T>(what: &str, r: Result<T, i32>) -> T {
+    r.unwrap_or_else(|e| panic!("{what}: {}", errno_name(e)))
+}
+
+fn qemu_img(args: &[&str]) -> String {
+    run_tool(
+        Command::new("qemu-img").args(args),
+        &format!("qemu-img {args:?}"),
+    )
+}
+
+fn create_qcow2(path: &Path, options: &str, size: u64) -> PathBuf {
+    let size = size.to_string();
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if !options.is_empty() {
+        args.extend(["-o", options]);
+    }
+    args.extend([path.to_str().unwrap(), size.as_str()]);
+    qemu_img(&args);
+    path.to_owned()
+}
+
+/// `qemu-img check`: no corruption (exit 0, or 3 for leaked clusters only, which QEMU accepts
+/// after a crash).
+fn assert_check_clean(image: &Path, allow_leaks: bool) {
+    let out = output_within(
+        Command::new("qemu-img").args(["check", image.to_str().unwrap()]),
+        std::time::Duration::from_secs(60),
+    );
+    let code = out.status.code();
+    assert!(
+        code == Some(0) || (allow_leaks && code == Some(3)),
+        "qemu-img check {}: {:?}\n{}",
+        image.display(),
+        code,
+        text(&out)
+    );
+}
+
+/// `qemu-img compare` of the qcow2 image's guest view with a raw mirror: identical.
+fn assert_same_as(image: &Path, mirror: &Path) {
+    let out = output_within(
+        Command::new("qemu-img").args([
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            image.to_str().unwrap(),
+            mirror.to_str().unwrap(),
+        ]),
+        std::time::Duration::from_secs(60),
+    );
+    assert!(
+        out.status.success(),
+        "qemu-img compare {} {}: {}",
+        image.display(),
+        mirror.display(),
+        text(&out)
+    );
+}
+
+/// Writes the same data through blkplane and into the mirror file.
+struct Mirrored<'a> {
+    queue: &'a mut IoQueue,
+    mirror: std::fs::File,
+    /// Discarded clusters read back as zeros (qcow2 v3's zero clusters); a v2 image keeps
+    /// their data (discard is advisory), and the mirror takes what the device reads.
+    discard_zeroes: bool,
+}
+
+impl Mirrored<'_> {
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        use std::os::unix::fs::FileExt;
+        ok(
+            &format!("write {} at {offset}", data.len()),
+            self.queue.write_at(offset, data),
+        );
+        self.mirror.write_all_at(data, offset).unwrap();
+    }
+
+    fn zero(&mut self, offset: u64, len: u64, unmap: bool, discard: bool) {
+        use std::os::unix::fs::FileExt;
+        let op = if discard {
+            Op::Discard { offset, len }
+        } else {
+            Op::WriteZeroes { offset, len, unmap }
+        };
+        ok(&format!("{op:?}"), self.queue.run(&op));
+        let now = if discard && !self.discard_zeroes {
+            ok("read", self.queue.read_at(offset, len as usize))
+        } else {
+            vec![0; len as usize]
+        };
+        self.mirror.write_all_at(&now, offset).unwrap();
+    }
+
+    fn check(&mut self, offset: u64, len: usize, what: &str) {
+        let got = ok(
+            &format!("read {len} at {offset}"),
+            self.queue.read_at(offset, len),
+        );
+        let want = read_file_at_mirror(&self.mirror, offset, len);
+        assert_same_data(what, &got, &want);
+    }
+}
+
+fn read_file_at_mirror(file: &std::fs::File, offset: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0; len];
+    file.read_exact_at(&mut buf, offset).unwrap();
+    buf
+}
+
+/// Writes that meet every path: a fresh cluster (allocating, with copy-on-write of the rest),
+/// the same cluster again (allocated), sub-cluster and unaligned pieces, writes across cluster
+/// boundaries, a large write over many clusters; zeroes and discards of whole and partial
+/// clusters; every piece read back against the mirror, and the whole disk at the end.
+fn exercise(queue: &mut IoQueue, mirror: &Path, cluster: u64, seed: u64, discard_zeroes: bool) {
+    let mirror = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mirror)
+        .unwrap();
+    let mut m = Mirrored {
+        queue,
+        mirror,
+        discard_zeroes,
+    };
+    let mut rng = Rng::new(seed);
+    let at = |n: u64| (n * cluster + 3 * MIB).min(DISK - 4 * MIB);
+    m.write(at(0), &pattern(seed, 4096));
+    m.write(at(0) + 8192, &pattern(seed + 1, 4096));
+    m.write(at(0), &pattern(seed + 2, 512));
+    m.write(at(1) + 512, &pattern(seed + 3, 1536));
+    // Across a cluster boundary.
+    m.write(at(3) - 2048, &pattern(seed + 4, 8192));
+    // Many clusters at once.
+    m.write(5 * MIB + 4096, &pattern(seed + 5, (MIB + 8192) as usize));
+    m.write(DISK - 4096, &pattern(seed + 6, 4096));
+    for i in 0..64 {
+        let offset = rng.below(DISK / 512 - 64) * 512;
+        let len = (1 + rng.below(32)) as usize * 512;
+        m.write(offset, &pattern(seed + 100 + i, len));
+    }
+    m.check(at(0), 16384, "writes into one cluster");
+    m.check(at(3) - 8192, 16384, "a write across a cluster boundary");
+    // Zeroing: whole clusters (zero clusters), partial ones (written zeros), with and
+    // without unmap, and a discard of whole clusters.
+    let whole = 16 * MIB;
+    // libblkio's buffer holds 4 MiB: two 2 MiB clusters.
+    let span = (4 * cluster.max(64 * KIB)).min(4 * MIB);
+    m.write(whole, &pattern(seed + 7, span as usize));
+    m.zero(whole, 2 * cluster, true, false);
+    m.zero(whole + span / 2 + 512, 1024, false, false);
+    m.write(whole + 8 * MIB, &pattern(seed + 8, (2 * cluster) as usize));
+    m.zero(whole + 8 * MIB, cluster, false, false);
+    m.zero(whole + 8 * MIB + cluster, cluster, false, true);
+    m.check(whole, span as usize, "zeroed clusters");
+    m.check(
+        whole + 8 * MIB,
+        (2 * cluster) as usize,
+        "zeroed and discarded clusters",
+    );
+    ok("flush", m.queue.flush());
+    for offset in (0..DISK).step_by(MIB as usize) {
+        m.check(offset, MIB as usize, &format!("the MiB at {offset}"));
+    }
+}
+
+#[test]
+fn qemu_img_layouts_read_write_check_and_compare() {
+    let dir = TempDir::new("qcow2");
+    for (name, options, cluster) in [
+        ("c4k", "cluster_size=4096", 4 * KIB),
+        ("c64k", "cluster_size=65536", 64 * KIB),
+        ("c2m", "cluster_size=2097152", 2 * MIB),
+        ("lazy", "lazy_refcounts=on", 64 * KIB),
+        ("v2", "compat=0.10", 64 * KIB),
+    ] {
+        let image = create_qcow2(&dir.join(&format!("{name}.qcow2")), options, DISK);
+        let mirror = create_image(&dir.join(&format!("{name}.raw")), DISK);
+        let fe = Frontend::start(&image, &[]);
+        let mut c = Client::connect(fe.socket()).unwrap();
+        assert_eq!(c.capacity(), DISK, "{name}: capacity is the virtual size");
+        exercise(c.queue(0), &mirror, cluster, 17, name != "v2");
+        drop(c);
+        fe.finish();
+        assert_check_clean(&image, false);
+        assert_same_as(&image, &mirror);
+        println!("{name} ({options}): writes, zeroes and discards read back; check clean, compare identical");
+    }
+}
+
+#[test]
+fn compressed_clusters_are_read_and_rewritten() {
+    let dir = TempDir::new("qcow2c");
+    let raw = create_random_image(&dir.join("data.raw"), DISK, 5);
+    let image = dir.join("compressed.qcow2");
+    qemu_img(&[
+        "convert",
+        "-q",
+        "-c",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        raw.to_str().unwrap(),
+        image.to_str().unwrap(),
+    ]);
+    let fe = Frontend::start(&image, &[]);
+    let mut c = Client::connect(fe.socket()).unwrap();
+    let q = c.queue(0);
+    let want = read_file(&raw);
+    for offset in (0..DISK).step_by(MIB as usize) {
+        let got = ok("read", q.read_at(offset, MIB as usize));
+        assert_same_data(
+            &format!("compressed MiB at {offset}"),
+            &got,
+            &want[offset as usize..(offset + MIB) as usize],
+        );
+    }
+    // Writes into compressed clusters copy the rest of the cluster out of its compressed form.
+    exercise(q, &raw, 64 * KIB, 23, true);
+    drop(c);
+    fe.finish();
+    assert_check_clean(&image, false);
+    assert_same_as(&image, &raw);
+    println!("compressed image: read back, rewritten, check clean, compare identical");
+}
+
+#[test]
+fn a_chain_of_three_serves_the_merged_view_and_writes_only_the_top() {
+    let dir = TempDir::new("chain");
+    let base = create_random_image(&dir.join("base.raw"), DISK, 9);
+    let mid = dir.join("mid.qcow2");
+    let top = dir.join("top.qcow2");
+    // Relative names, as operators keep thin clones next to their golden image.
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        mid.to_str().unwrap(),
+    ]);
+    let io = |image: &Path, cmd: &str| {
+        run_tool(
+            Command::new("qemu-io").args(["-f", "qcow2", "-c", cmd, image.to_str().unwrap()]),
+            &format!("qemu-io {cmd}"),
+        );
+    };
+    io(&mid, "write -P 0x5a 1M 3M");
+    io(&mid, "write -z 8M 1M");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=4096",
+        "-b",
+        "mid.qcow2",
+        "-F",
+        "qcow2",
+        top.to_str().unwrap(),
+    ]);
+    io(&top, "write -P 0xc3 2M 64k");
+    let merged = dir.join("merged.raw");
+    qemu_img(&[
+        "convert",
+        "-q",
+        "-O",
+        "raw",
+        top.to_str().unwrap(),
+        merged.to_str().unwrap(),
+    ]);
+    let base_before = read_file(&base);
+    let mid_before = read_file(&mid);
+
+    let fe = Frontend::start(&top, &[]);
+    let mut c = Client::connect(fe.socket()).unwrap();
+    let q = c.queue(0);
+    let want = read_file(&merged);
+    for offset in (0..DISK).step_by(MIB as usize) {
+        let got = ok("read", q.read_at(offset, MIB as usize));
+        assert_same_data(
+            &format!("merged view of the MiB at {offset}"),
+            &got,
+            &want[offset as usize..(offset + MIB) as usize],
+        );
+    }
+    // Writes over every layer: base data, mid's data, mid's zeros, top's data.
+    exercise(q, &merged, 4 * KIB, 31, true);
+    drop(c);
+    fe.finish();
+    assert_check_clean(&top, false);
+    assert_same_as(&top, &merged);
+    assert!(read_file(&base) == base_before, "the raw base was written");
+    assert!(
+        read_file(&mid) == mid_before,
+        "the middle layer was written"
+    );
+    println!("chain base.raw <- mid.qcow2 <- top.qcow2: merged view served, writes only in top");
+}
+
+#[test]
+fn images_and_chains_that_cannot_be_served_are_refused_at_start() {
+    let dir = TempDir::new("qcow2bad");
+    let refuse = |image: &Path, args: &[&str], why: &str, says: &str| {
+        let err = match Frontend::try_start(image, args) {
+            Ok(_) => panic!("{} ({why}) was served", image.display()),
+            Err(e) => e,
+        };
+        assert!(
+            err.contains(says),
+            "{why}: the error does not say {says:?}:\n{err}"
+        );
+        println!("{why}: refused: {}", err.lines().last().unwrap_or_default());
+    };
+    // A loop: a -> b -> a.
+    let a = dir.join("a.qcow2");
+    let b = dir.join("b.qcow2");
+    create_qcow2(&b, "", DISK);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "b.qcow2",
+        "-F",
+        "qcow2",
+        a.to_str().unwrap(),
+    ]);
+    qemu_img(&[
+        "rebase",
+        "-q",
+        "-u",
+        "-f",
+        "qcow2",
+        "-b",
+        "a.qcow2",
+        "-F",
+        "qcow2",
+        b.to_str().unwrap(),
+    ]);
+    refuse(&a, &[], "a backing chain loop", "loops");
+    // A missing backing file.
+    let orphan = dir.join("orphan.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        "gone.raw",
+        "-F",
+        "raw",
+        "-o",
+        "size=64M",
+        orphan.to_str().unwrap(),
+    ]);
+    refuse(&orphan, &[], "a missing backing file", "gone.raw");
+    // A header with an absurd L1 table (l1_size at byte 36) and a truncated image.
+    let absurd = create_qcow2(&dir.join("absurd.qcow2"), "", DISK);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&absurd)
+            .unwrap();
+        f.write_all_at(&u32::MAX.to_be_bytes(), 36).unwrap();
+    }
+    refuse(&absurd, &[], "an absurd L1 size", "absurd.qcow2");
+    let truncated = create_qcow2(&dir.join("truncated.qcow2"), "", DISK);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&truncated)
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    refuse(&truncated, &[], "a truncated image", "truncated.qcow2");
+    // Extended L2 entries (subclusters): imago 0.2 does not implement them, so such an image
+    // is refused with imago's reason rather than served wrong.
+    let extl2 = create_qcow2(
+        &dir.join("extl2.qcow2"),
+        "cluster_size=65536,extended_l2=on",
+        DISK,
+    );
+    refuse(&extl2, &[], "extended L2 entries", "extended L2");
+    // A chain deeper than 16 backing files.
+    let mut below = create_image(&dir.join("deep0.raw"), MIB);
+    let mut format = "raw";
+    for i in 1..=17 {
+        let next = dir.join(&format!("deep{i}.qcow2"));
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            below.file_name().unwrap().to_str().unwrap(),
+            "-F",
+            format,
+            next.to_str().unwrap(),
+        ]);
+        below = next;
+        format = "qcow2";
+    }
+    refuse(&below, &[], "a chain of 17 backing files", "deeper than 16");
+}
+
+#[test]
+fn a_raw_image_with_qcow2_magic_is_served_raw_only_when_told() {
+    let dir = TempDir::new("magic");
+    let disguised = dir.join("disguised.img");
+    // A raw disk whose guest wrote a qcow2 header (naming a backing file) into sector 0.
+    let header = create_qcow2(&dir.join("header.qcow2"), "", DISK);
+    let mut bytes = read_file(&header);
+    bytes.resize(8 * MIB as usize, 0);
+    std::fs::write(&disguised, &bytes).unwrap();
+    let fe = Frontend::start(&disguised, &["--format", "raw"]);
+    let mut c = Client::connect(fe.socket()).unwrap();
+    assert_eq!(c.capacity(), 8 * MIB, "served raw: the file's size");
+    let first = ok("read", c.queue(0).read_at(0, 4096));
+    assert_same_data("the header, as data", &first, &bytes[..4096]);
+    drop(c);
+    fe.finish();
+    // Probed, it is qcow2 (as QEMU probes it); the operator says raw to keep it raw.
+    let fe = Frontend::start(&disguised, &[]);
+    let c = Client::connect(fe.socket()).unwrap();
+    assert_eq!(c.capacity(), DISK, "probed: qcow2's virtual size");
+    drop(c);
+    fe.finish();
+    println!("a raw image starting with qcow2's magic: raw with --format raw, qcow2 when probed");
+}
