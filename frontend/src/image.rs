@@ -10,8 +10,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::chain::{self, BackingFile, ChainError, ImageFormat};
 use crate::config::CacheMode;
+use blkplane_chain::{self as chain, BackingFile, ChainError, ImageFormat};
 
 /// The `--image` prefix that selects a null image; a file whose name starts with it is given
 /// as `./null:...`.
@@ -161,9 +161,21 @@ impl Image {
         cache: CacheMode,
         format: Option<ImageFormat>,
     ) -> Result<Self, ImageError> {
+        Self::open_in(spec, read_only, cache, format, &[])
+    }
+
+    /// [`Image::open`], with a qcow2 image's backing files restricted to `image_dirs` (none:
+    /// anywhere).
+    pub fn open_in(
+        spec: &ImageSpec,
+        read_only: bool,
+        cache: CacheMode,
+        format: Option<ImageFormat>,
+        image_dirs: &[PathBuf],
+    ) -> Result<Self, ImageError> {
         match spec {
             ImageSpec::Path(path) => {
-                FileImage::open_as(path, read_only, cache, format).map(Self::File)
+                FileImage::open_as(path, read_only, cache, format, image_dirs).map(Self::File)
             }
             ImageSpec::Null { size } => Ok(Self::Null { size: *size }),
         }
@@ -197,16 +209,17 @@ pub struct FileImage {
 impl FileImage {
     /// Opens `path` as a raw image for `cache`, read-only when `read_only`.
     pub fn open(path: &Path, read_only: bool, cache: CacheMode) -> Result<Self, ImageError> {
-        Self::open_as(path, read_only, cache, Some(ImageFormat::Raw))
+        Self::open_as(path, read_only, cache, Some(ImageFormat::Raw), &[])
     }
 
     /// Opens `path` in `format` (`None`: probed) for `cache`, read-only when `read_only`,
-    /// with a qcow2 image's backing chain.
+    /// with a qcow2 image's backing chain (its files inside `image_dirs`, if any).
     pub fn open_as(
         path: &Path,
         read_only: bool,
         cache: CacheMode,
         format: Option<ImageFormat>,
+        image_dirs: &[PathBuf],
     ) -> Result<Self, ImageError> {
         let open = |flags: i32| {
             OpenOptions::new()
@@ -245,7 +258,7 @@ impl FileImage {
                 (size, Vec::new())
             }
             ImageFormat::Qcow2 => {
-                let chain = chain::open(&buffered, path).map_err(chain_error)?;
+                let chain = chain::open(&buffered, path, image_dirs).map_err(chain_error)?;
                 (chain.size, chain.backing)
             }
         };

@@ -16,11 +16,11 @@ use blkplane_proto::inflight::InflightRegion;
 use blkplane_proto::ring::{RingError, SharedRing};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::chain::ImageFormat;
 use crate::image::Image;
 use crate::memory::MemoryTable;
 use crate::queue_core::RingEnds;
 use crate::spawner::{ExitStatus, Spawner, SpawnerError};
+use blkplane_chain::ImageFormat;
 
 /// What went wrong talking to an iothread.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,6 @@
 
 pub mod admin;
 pub mod backend_channel;
-pub mod chain;
 pub mod config;
 pub mod image;
 pub mod iothread;

@@ -14,8 +14,8 @@ use vhost::vhost_user::Listener;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
+use blkplane_chain::ImageFormat;
 use blkplane_frontend::backend_channel::BackendChannel;
-use blkplane_frontend::chain::ImageFormat;
 use blkplane_frontend::config::{CacheMode, DiskConfig, MAX_QUEUE_SIZE};
 use blkplane_frontend::image::{Image, ImageSpec};
 use blkplane_frontend::iothread::IothreadLink;
@@ -46,6 +46,10 @@ struct Args {
     /// qcow2's magic (a guest may have written one) needs `--format raw`.
     #[arg(long, value_enum)]
     format: Option<ImageFormat>,
+    /// Restrict a qcow2 image's backing files to this directory (repeatable; symlinks and
+    /// `..` are resolved). Without it a backing file may be anywhere the header names.
+    #[arg(long = "image-dir", value_name = "DIR")]
+    image_dirs: Vec<PathBuf>,
     /// Offer the disk read-only (VIRTIO_BLK_F_RO); writes, discards and write-zeroes fail.
     #[arg(long)]
     read_only: bool,
@@ -158,10 +162,22 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     let image = match &args.run_as {
-        None => Image::open(&args.image, args.read_only, args.cache, args.format),
+        None => Image::open_in(
+            &args.image,
+            args.read_only,
+            args.cache,
+            args.format,
+            &args.image_dirs,
+        ),
         // With the disk user's permissions, as its VMM would open it.
         Some(run_as) => blkplane_sandbox::open_as(run_as, || {
-            Image::open(&args.image, args.read_only, args.cache, args.format)
+            Image::open_in(
+                &args.image,
+                args.read_only,
+                args.cache,
+                args.format,
+                &args.image_dirs,
+            )
         })
         .map_err(|e| e.to_string())?,
     }

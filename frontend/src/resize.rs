@@ -10,9 +10,9 @@ use log::{info, warn};
 
 use crate::admin::Resize;
 use crate::backend_channel::BackendChannel;
-use crate::chain::ImageFormat;
 use crate::config::DiskConfig;
 use crate::image::Image;
+use blkplane_chain::ImageFormat;
 
 /// Resizes the disk served by this frontend.
 pub struct DiskResizer {

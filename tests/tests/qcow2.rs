@@ -412,6 +412,63 @@ fn images_and_chains_that_cannot_be_served_are_refused_at_start() {
         DISK,
     );
     refuse(&extl2, &[], "extended L2 entries", "extended L2");
+    // A backing file outside the allowed image directories (blkplaned's --image-dir), named
+    // by '..' or reached through a symlink inside them.
+    let allowed = dir.join("allowed");
+    std::fs::create_dir(&allowed).unwrap();
+    create_image(&dir.join("secret.raw"), DISK);
+    let climbing = allowed.join("climbing.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "../secret.raw",
+        "-F",
+        "raw",
+        climbing.to_str().unwrap(),
+    ]);
+    std::os::unix::fs::symlink(dir.join("secret.raw"), allowed.join("link.raw")).unwrap();
+    let linked = allowed.join("linked.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "link.raw",
+        "-F",
+        "raw",
+        linked.to_str().unwrap(),
+    ]);
+    let dir_arg = ["--image-dir", allowed.to_str().unwrap()];
+    refuse(
+        &climbing,
+        &dir_arg,
+        "a backing file named with '..'",
+        "outside the allowed image directories",
+    );
+    refuse(
+        &linked,
+        &dir_arg,
+        "a backing file behind a symlink",
+        "outside the allowed image directories",
+    );
+    let inside = allowed.join("inside.qcow2");
+    create_image(&allowed.join("base.raw"), DISK);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        inside.to_str().unwrap(),
+    ]);
+    Frontend::start(&inside, &dir_arg).finish();
     // A chain deeper than 16 backing files.
     let mut below = create_image(&dir.join("deep0.raw"), MIB);
     let mut format = "raw";

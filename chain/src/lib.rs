@@ -1,5 +1,5 @@
 //! An image's format and, for qcow2, its backing chain, opened before the frontend locks
-//! down: the iothreads get every file of the chain as an fd and never open a path.
+//! down (and checked by blkplaned before it starts one): the iothreads get every file of the chain as an fd and never open a path.
 //!
 //! The format comes from `--format`, or from the image's first bytes (qcow2's magic), as QEMU
 //! probes; an image given as `raw` is served raw even when it starts with qcow2's magic (a
@@ -11,7 +11,10 @@
 //! relative one against the directory of the overlay's path (as given, not canonicalized).
 //! The chain is at most [`MAX_BACKING_FILES`] deep and may not come back to a file it already
 //! holds (compared by device and inode); either is refused with the whole chain in the
-//! message. Every backing file is opened read-only.
+//! message. With allowed directories (blkplaned's `--image-dir`), every backing file must
+//! resolve (symlinks and `..` followed) inside one of them, as the image itself must: a header
+//! is the image owner's to write, and must not reach other files. Every backing file is opened
+//! read-only.
 //!
 //! Each qcow2 layer is opened with `imago` once here as well, read-only: a header or table
 //! that imago refuses fails the disk at its start, with the layer's path in the message.
@@ -125,6 +128,16 @@ pub enum ChainError {
         /// The chain, top first.
         chain: String,
     },
+    /// A backing file resolves outside every allowed directory.
+    #[error("backing file {backing} of {path} is outside the allowed image directories ({dirs})")]
+    OutsideImageDirs {
+        /// The overlay.
+        path: PathBuf,
+        /// The backing file.
+        backing: PathBuf,
+        /// The allowed directories.
+        dirs: String,
+    },
     /// The chain comes back to a file it holds already.
     #[error("backing chain {chain} loops")]
     Loop {
@@ -194,6 +207,13 @@ pub fn resolve(overlay: &Path, name: &str) -> PathBuf {
     }
 }
 
+fn describe_dirs(dirs: &[PathBuf]) -> String {
+    dirs.iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn describe(paths: &[PathBuf]) -> String {
     paths
         .iter()
@@ -202,8 +222,21 @@ fn describe(paths: &[PathBuf]) -> String {
         .join(" -> ")
 }
 
-/// Opens the backing chain of the qcow2 image `file` at `path`.
-pub fn open(file: &File, path: &Path) -> Result<Chain, ChainError> {
+/// Whether `path` resolves inside one of `dirs` (no restriction without any).
+fn inside(path: &Path, dirs: &[PathBuf]) -> bool {
+    if dirs.is_empty() {
+        return true;
+    }
+    let Ok(real) = std::fs::canonicalize(path) else {
+        return false;
+    };
+    dirs.iter()
+        .any(|dir| std::fs::canonicalize(dir).is_ok_and(|dir| real.starts_with(dir)))
+}
+
+/// Opens the backing chain of the qcow2 image `file` at `path`; with `image_dirs`, every
+/// backing file must be inside one of them.
+pub fn open(file: &File, path: &Path, image_dirs: &[PathBuf]) -> Result<Chain, ChainError> {
     let identity = |file: &File, at: &Path| {
         file.metadata()
             .map(|m| (m.dev(), m.ino()))
@@ -229,6 +262,13 @@ pub fn open(file: &File, path: &Path) -> Result<Chain, ChainError> {
         if backing.len() >= MAX_BACKING_FILES as usize {
             return Err(ChainError::TooDeep {
                 chain: describe(&paths),
+            });
+        }
+        if !inside(&backing_path, image_dirs) {
+            return Err(ChainError::OutsideImageDirs {
+                path: overlay,
+                backing: backing_path,
+                dirs: describe_dirs(image_dirs),
             });
         }
         let backing_file = OpenOptions::new()
@@ -272,6 +312,7 @@ pub fn open(file: &File, path: &Path) -> Result<Chain, ChainError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
 
