@@ -232,6 +232,60 @@ impl Drop for ImageFile {
     }
 }
 
+/// A qcow2 image made by `qemu-img` (64 KiB clusters), removed on drop.
+struct Qcow2File {
+    path: PathBuf,
+}
+
+impl Qcow2File {
+    /// `blkplane-bench-PID-NAME.qcow2` in `dir`, not made yet.
+    fn at(dir: &Path, name: &str) -> Self {
+        Self {
+            path: dir.join(format!(
+                "blkplane-bench-{}-{name}.qcow2",
+                std::process::id()
+            )),
+        }
+    }
+
+    /// (Re)creates the image: `preallocation=falloc` allocates every cluster (the metadata
+    /// maps all of them, the data is allocated in the file), `off` leaves it empty.
+    fn create(&self, size: u64, preallocation: &str) -> Result<(), BenchError> {
+        make_qcow2(&self.path, size, preallocation)
+    }
+}
+
+/// (Re)creates the qcow2 image at `path`; see [`Qcow2File::create`].
+fn make_qcow2(path: &Path, size: u64, preallocation: &str) -> Result<(), BenchError> {
+    {
+        let _ = std::fs::remove_file(path);
+        let options = format!("cluster_size=65536,preallocation={preallocation}");
+        let path = path.to_string_lossy().into_owned();
+        first_line(
+            Path::new("qemu-img"),
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                &options,
+                &path,
+                &size.to_string(),
+            ],
+            None,
+        )
+        .map(|_| ())
+        .map_err(|e| BenchError::Missing(format!("qemu-img create {path}: {e}")))
+    }
+}
+
+impl Drop for Qcow2File {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// Refuses a --disk-dir whose files would live in memory: the disk image must be on a device.
 fn check_disk_dir(dir: &Path) -> Result<(), BenchError> {
     let fs = procfs::fs_type(dir).map_err(BenchError::io(format!(
@@ -502,6 +556,16 @@ fn run(args: Args) -> Result<(), BenchError> {
     } else {
         None
     };
+    let qcow2_image = Qcow2File::at(&args.shm_dir, "allocated");
+    if images.contains(&ImageKind::Qcow2) {
+        eprintln!(
+            "creating a {} MiB qcow2 image, every cluster allocated, in {}",
+            args.size >> 20,
+            args.shm_dir.display()
+        );
+        qcow2_image.create(args.size, "falloc")?;
+    }
+    let qcow2_fresh_image = Qcow2File::at(&args.shm_dir, "fresh");
     let disk_fs = if images.contains(&ImageKind::Disk) {
         disk_fs_description(&args.disk_dir)
     } else {
@@ -524,6 +588,8 @@ fn run(args: Args) -> Result<(), BenchError> {
             .as_ref()
             .map(|i| i.path.clone())
             .unwrap_or_else(|| args.disk_dir.join("unused.img")),
+        qcow2_image: qcow2_image.path.clone(),
+        qcow2_fresh_image: qcow2_fresh_image.path.clone(),
         size: args.size,
         shm_direct: direct,
         cpus: args.backend_cpu.clone(),
@@ -666,6 +732,10 @@ fn run_one(
     timing: Timing,
     seed: u64,
 ) -> Result<RunStats, BenchError> {
+    if kind == ImageKind::Qcow2Fresh {
+        // Every target starts from an empty image, so its writes allocate.
+        make_qcow2(&config.qcow2_fresh_image, config.size, "off")?;
+    }
     let mut backend = Backend::start(target, kind, workload.queues, config)?;
     let image = config.image(kind);
     let direct = config.direct(kind);
@@ -984,6 +1054,18 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
                      nothing to drive directly; no ch: vhost_user_block serves files only)",
                     c.size, c.size
                 ),
+                ImageKind::Qcow2 => format!(
+                    "`qcow2`: a {} MiB qcow2 image (64 KiB clusters, `preallocation=falloc`: \
+                     every cluster mapped and allocated) in {}, served by blkplane \
+                     (`--format qcow2`) and qsd (`driver=qcow2` over `driver=file`), opened as \
+                     the shm image is",
+                    c.size >> 20,
+                    c.shm_dir.display()
+                ),
+                ImageKind::Qcow2Fresh => "`qcow2-fresh`: the same without preallocation, made \
+                                          anew before every run, so that writes allocate \
+                                          clusters"
+                    .to_string(),
                 ImageKind::Disk => format!(
                     "`disk`: a {} MiB raw file in {} on the machine's disk ({}), filled with \
                      pseudo-random data, synced and dropped from the page cache before the \

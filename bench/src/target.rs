@@ -93,6 +93,10 @@ pub struct BackendConfig {
     /// Whether the shm image is opened with O_DIRECT (tmpfs can since Linux 6.6); the disk
     /// image always is.
     pub shm_direct: bool,
+    /// The allocated qcow2 image (tmpfs).
+    pub qcow2_image: PathBuf,
+    /// The fresh qcow2 image (tmpfs), made anew before every run.
+    pub qcow2_fresh_image: PathBuf,
     /// CPUs for the back-end; `None` leaves it unpinned.
     pub cpus: Option<CpuList>,
     /// Where the sockets and logs go.
@@ -105,6 +109,8 @@ impl BackendConfig {
         match kind {
             ImageKind::Shm => Some(&self.shm_image),
             ImageKind::Disk => Some(&self.disk_image),
+            ImageKind::Qcow2 => Some(&self.qcow2_image),
+            ImageKind::Qcow2Fresh => Some(&self.qcow2_fresh_image),
             ImageKind::Null => None,
         }
     }
@@ -112,7 +118,7 @@ impl BackendConfig {
     /// Whether every target opens the image of `kind` with O_DIRECT.
     pub fn direct(&self, kind: ImageKind) -> bool {
         match kind {
-            ImageKind::Shm => self.shm_direct,
+            ImageKind::Shm | ImageKind::Qcow2 | ImageKind::Qcow2Fresh => self.shm_direct,
             ImageKind::Disk => true,
             ImageKind::Null => false,
         }
@@ -151,8 +157,11 @@ pub fn command(
             // The default, --cache direct, falls back to buffered I/O by itself where the
             // file system refuses O_DIRECT; buffered on purpose is writeback. The disk image
             // says direct explicitly (and the run checks the back-end's descriptors).
+            if kind.is_qcow2() {
+                args.extend(["--format".into(), "qcow2".into()]);
+            }
             match kind {
-                ImageKind::Shm if !direct => {
+                ImageKind::Shm | ImageKind::Qcow2 | ImageKind::Qcow2Fresh if !direct => {
                     args.extend(["--cache".into(), "writeback".into()]);
                 }
                 ImageKind::Disk => args.extend(["--cache".into(), "direct".into()]),
@@ -172,7 +181,10 @@ pub fn command(
                              cache.direct={direct}"
                         ),
                         "--blockdev".into(),
-                        "driver=raw,node-name=disk0,file=file0".into(),
+                        format!(
+                            "driver={},node-name=disk0,file=file0",
+                            if kind.is_qcow2() { "qcow2" } else { "raw" }
+                        ),
                     ]);
                 }
                 None => args.extend([
@@ -431,6 +443,8 @@ mod tests {
             ch: Some("/ch/vhost_user_block".into()),
             shm_image: "/dev/shm/x.img".into(),
             disk_image: "/var/tmp/x.img".into(),
+            qcow2_image: "/dev/shm/x.qcow2".into(),
+            qcow2_fresh_image: "/dev/shm/fresh.qcow2".into(),
             size: 1 << 30,
             shm_direct: true,
             cpus: None,
@@ -467,6 +481,20 @@ mod tests {
             qsd.contains("filename=/var/tmp/x.img,aio=io_uring,cache.direct=on"),
             "{qsd}"
         );
+        // qcow2: blkplane told the format, qsd a qcow2 node over the file; no ceiling, no ch.
+        assert_eq!(
+            line(Target::Blkplane, ImageKind::Qcow2),
+            "/b/blkplane-frontend --socket /w/s.sock --image /dev/shm/x.qcow2 --num-queues 2 \
+             --iothreads 2 --format qcow2"
+        );
+        let qsd = line(Target::Qsd, ImageKind::Qcow2Fresh);
+        assert!(
+            qsd.contains("filename=/dev/shm/fresh.qcow2,aio=io_uring,cache.direct=on")
+                && qsd.contains("driver=qcow2,node-name=disk0,file=file0"),
+            "{qsd}"
+        );
+        assert!(command(Target::Ceiling, ImageKind::Qcow2, 1, &config, socket).is_none());
+        assert!(command(Target::Ch, ImageKind::Qcow2Fresh, 1, &config, socket).is_none());
         // cloud-hypervisor: its one option, a fresh process per run; no null image.
         assert_eq!(
             line(Target::Ch, ImageKind::Disk),

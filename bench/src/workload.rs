@@ -160,11 +160,27 @@ pub enum ImageKind {
     /// A raw image file on the machine's real disk (/var/tmp by default, never tmpfs), opened
     /// with O_DIRECT by every target: a real device's latency.
     Disk,
+    /// A qcow2 image in tmpfs with every cluster allocated (converted from pseudo-random raw
+    /// data, 64 KiB clusters), served by blkplane and qsd: the metadata lookup on top of shm.
+    Qcow2,
+    /// A fresh (empty) qcow2 image in tmpfs, made anew for every run: writes allocate.
+    Qcow2Fresh,
 }
 
 impl ImageKind {
     /// Every image kind, in report order.
-    pub const ALL: [ImageKind; 3] = [ImageKind::Shm, ImageKind::Null, ImageKind::Disk];
+    pub const ALL: [ImageKind; 5] = [
+        ImageKind::Shm,
+        ImageKind::Null,
+        ImageKind::Disk,
+        ImageKind::Qcow2,
+        ImageKind::Qcow2Fresh,
+    ];
+
+    /// Whether this is a qcow2 image.
+    pub fn is_qcow2(self) -> bool {
+        matches!(self, Self::Qcow2 | Self::Qcow2Fresh)
+    }
 
     /// The name used on the command line and in the report.
     pub fn name(self) -> &'static str {
@@ -172,6 +188,8 @@ impl ImageKind {
             Self::Shm => "shm",
             Self::Null => "null",
             Self::Disk => "disk",
+            Self::Qcow2 => "qcow2",
+            Self::Qcow2Fresh => "qcow2-fresh",
         }
     }
 
@@ -187,6 +205,12 @@ impl ImageKind {
             (Self::Null, Target::Ceiling) => Some("no file to drive directly"),
             (Self::Null, Target::Ch) => {
                 Some("cloud-hypervisor's vhost_user_block serves image files only")
+            }
+            (Self::Qcow2 | Self::Qcow2Fresh, Target::Ceiling) => {
+                Some("io_uring on the file cannot read qcow2")
+            }
+            (Self::Qcow2 | Self::Qcow2Fresh, Target::Ch) => {
+                Some("not measured: the peer row compares qsd on the same qcow2 file")
             }
             _ => None,
         }

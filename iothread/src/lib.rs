@@ -17,6 +17,7 @@
 pub mod engine;
 pub mod image;
 pub mod memory;
+pub mod metadata_file;
 pub mod qcow2;
 pub mod request;
 pub mod slot;

@@ -22,11 +22,17 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 
-use imago::file::File as ImagoFile;
+use std::sync::Arc;
+
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
-use imago::{FormatAccess, Mapping, StorageOpenOptions};
+use imago::{FormatAccess, Mapping};
 use log::info;
+
+use crate::metadata_file::{Barrier, MetadataFile};
+
+/// The storage type of every layer.
+type ImagoFile = MetadataFile;
 
 /// How many zero bytes one write of a qcow2 v2 image's write-zeroes carries.
 const ZERO_CHUNK: usize = 1 << 20;
@@ -136,6 +142,8 @@ struct Layer {
 /// A qcow2 image with its backing chain, opened on fds the frontend sent.
 pub struct Qcow2Image {
     top: FormatAccess<ImagoFile>,
+    /// The image file's held pointer writes, applied after each write-back of the caches.
+    barrier: Arc<Barrier>,
     layers: Vec<Layer>,
     writable: bool,
     /// Bounce buffer of compressed reads, grown to the largest one seen.
@@ -172,6 +180,7 @@ impl Qcow2Image {
         let mut layers: Vec<Layer> = Vec::with_capacity(depth.saturating_add(1));
         // Built from the bottom up: each layer becomes the next one's backing.
         let mut below: Option<FormatAccess<ImagoFile>> = None;
+        let mut top_barrier = None;
         let mut files: Vec<(usize, File, LayerFormat, bool)> = backing
             .into_iter()
             .enumerate()
@@ -185,9 +194,12 @@ impl Qcow2Image {
                 format,
                 source,
             };
-            let storage =
-                ImagoFile::from_open_file(file, StorageOpenOptions::new().write(layer_writable))
+            let (storage, barrier) =
+                MetadataFile::open(file, layer_writable, format == LayerFormat::Qcow2)
                     .map_err(open_error)?;
+            if layer == 0 {
+                top_barrier = Some(barrier);
+            }
             let access = match format {
                 LayerFormat::Raw => {
                     if layer == 0 {
@@ -242,7 +254,9 @@ impl Qcow2Image {
             }
             below = Some(access);
         }
-        let top = below.ok_or(Qcow2Error::RawTop)?;
+        let (Some(top), Some(barrier)) = (below, top_barrier) else {
+            return Err(Qcow2Error::RawTop);
+        };
         // Built bottom-up: reverse so that index 0 is the image.
         layers.reverse();
         info!(
@@ -253,6 +267,7 @@ impl Qcow2Image {
         );
         Ok(Self {
             top,
+            barrier,
             layers,
             writable,
             bounce: Vec::new(),
@@ -364,7 +379,7 @@ impl Qcow2Image {
         // Dropping `prepared` on an error releases the prepared cluster: the old mapping stays.
         write(fd, prepared.offset(), mapped)?;
         self.top.commit_data_mapping(prepared)?;
-        self.top.flush()?;
+        self.write_back()?;
         Ok(mapped)
     }
 
@@ -394,7 +409,7 @@ impl Qcow2Image {
                 result => result?,
             }
         }
-        self.top.flush()
+        self.write_back()
     }
 
     /// Writes `len` zero bytes at `offset` through imago (allocating as needed), a chunk of
@@ -438,11 +453,18 @@ impl Qcow2Image {
             Err(e) if e.kind() == io::ErrorKind::Unsupported => return Ok(()),
             result => result?,
         }
-        self.top.flush()
+        self.write_back()
     }
 
     /// Writes every cached metadata change back to the image file (not synced).
     pub fn flush_metadata(&self) -> io::Result<()> {
-        self.top.flush()
+        self.write_back()
+    }
+
+    /// imago's caches first (refcount blocks before the L2 tables that need them), then the
+    /// pointer structures held until now ([`crate::metadata_file`]).
+    fn write_back(&self) -> io::Result<()> {
+        self.top.flush()?;
+        self.barrier.apply()
     }
 }

@@ -1,0 +1,370 @@
+//! The storage object imago reads and writes a qcow2 chain's files through: imago's own file
+//! driver, with the writes of the image's *pointer* structures — its header, L1 table and
+//! refcount table — held back until [`Barrier::apply`], which the iothread calls right after
+//! imago has written its L2 and refcount-block caches back.
+//!
+//! Why: imago 0.2.6 writes a new L2 table's L1 entry to the file as soon as it allocates the
+//! table, while the refcount that marks the table's cluster as used is still only in its
+//! refcount-block cache (QEMU flushes that cache first). An iothread killed in between leaves
+//! an L1 entry pointing at a cluster whose refcount on disk is 0; the next iothread allocates
+//! that cluster again as data, and the guest's data and the L2 table overwrite each other.
+//! Held back until the caches are on disk, a pointer never reaches the file before what it
+//! points to is described there; at worst a crash leaks the clusters, which `qemu-img check`
+//! reports as leaks, as QEMU's own crashes do. (An upstream fix in imago — flushing the
+//! refcount cache before the L1 write in `ensure_l2` — would make this unnecessary.)
+//!
+//! imago keeps those structures in memory once the image is open, so it never needs to read
+//! back what is held; reads that meet a held write see it anyway.
+
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use imago::file::File as ImagoFile;
+use imago::io_buffers::{IoVector, IoVectorMut};
+use imago::storage::drivers::CommonStorageHelper;
+use imago::storage::PreallocateMode;
+use imago::{Storage, StorageOpenOptions};
+
+/// The writes held back for one file, and the ranges whose writes are held.
+#[derive(Debug)]
+pub struct Barrier {
+    /// A duplicate of the file's fd, to apply the held writes with.
+    file: File,
+    /// Byte ranges of the pointer structures (header, L1 table, refcount table).
+    held_ranges: Vec<Range<u64>>,
+    /// Held writes in the order imago made them: (offset, data).
+    held: Mutex<Vec<(u64, Vec<u8>)>>,
+}
+
+impl Barrier {
+    /// Writes every held write to the file, in order. Called once the metadata caches have
+    /// been written back.
+    pub fn apply(&self) -> io::Result<()> {
+        let mut held = blkplane_lock_free(&self.held);
+        for (offset, data) in held.iter() {
+            self.file.write_all_at(data, *offset)?;
+        }
+        held.clear();
+        Ok(())
+    }
+
+    /// Whether any held write is waiting.
+    pub fn is_empty(&self) -> bool {
+        blkplane_lock_free(&self.held).is_empty()
+    }
+
+    fn holds(&self, offset: u64, len: u64) -> bool {
+        let end = offset.saturating_add(len);
+        self.held_ranges
+            .iter()
+            .any(|range| offset < range.end && range.start < end)
+    }
+}
+
+/// Takes the mutex, ignoring poisoning: the held list is consistent after every push.
+fn blkplane_lock_free<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// imago's file driver with the pointer structures' writes held back (see the module).
+#[derive(Debug)]
+pub struct MetadataFile {
+    inner: ImagoFile,
+    barrier: Arc<Barrier>,
+}
+
+impl fmt::Display for MetadataFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+/// Reads a big-endian integer of `N` bytes at `offset` of `header`.
+fn be<const N: usize>(header: &[u8], offset: usize) -> Option<u64> {
+    let bytes: [u8; N] = header
+        .get(offset..offset.checked_add(N)?)?
+        .try_into()
+        .ok()?;
+    Some(bytes.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+}
+
+/// The pointer structures of the qcow2 image in `file` (header cluster, L1 table, refcount
+/// table), from its header; empty when the header cannot say (imago refuses such an image).
+fn pointer_ranges(file: &File) -> Vec<Range<u64>> {
+    let mut header = [0u8; 64];
+    if file.read_exact_at(&mut header, 0).is_err() {
+        return Vec::new();
+    }
+    let (Some(cluster_bits), Some(l1_size), Some(l1_offset), Some(rt_offset), Some(rt_clusters)) = (
+        be::<4>(&header, 20),
+        be::<4>(&header, 36),
+        be::<8>(&header, 40),
+        be::<8>(&header, 48),
+        be::<4>(&header, 56),
+    ) else {
+        return Vec::new();
+    };
+    if !(9..=21).contains(&cluster_bits) {
+        return Vec::new();
+    }
+    let cluster = 1u64 << cluster_bits;
+    let range = |start: u64, len: Option<u64>| start..start.saturating_add(len.unwrap_or(u64::MAX));
+    vec![
+        0..cluster,
+        range(l1_offset, l1_size.checked_mul(8)),
+        range(rt_offset, rt_clusters.checked_mul(cluster)),
+    ]
+}
+
+impl MetadataFile {
+    /// Wraps `file` (opened `writable` or not) for imago; for a writable qcow2 image, writes to
+    /// its pointer structures are held back until the returned barrier is applied. A read-only
+    /// file holds nothing.
+    pub fn open(file: File, writable: bool, qcow2: bool) -> io::Result<(Self, Arc<Barrier>)> {
+        let held_ranges = if writable && qcow2 {
+            pointer_ranges(&file)
+        } else {
+            Vec::new()
+        };
+        let barrier = Arc::new(Barrier {
+            file: file.try_clone()?,
+            held_ranges,
+            held: Mutex::new(Vec::new()),
+        });
+        let inner = ImagoFile::from_open_file(file, StorageOpenOptions::new().write(writable))?;
+        Ok((
+            Self {
+                inner,
+                barrier: Arc::clone(&barrier),
+            },
+            barrier,
+        ))
+    }
+}
+
+impl Storage for MetadataFile {
+    fn mem_align(&self) -> usize {
+        self.inner.mem_align()
+    }
+
+    fn req_align(&self) -> usize {
+        self.inner.req_align()
+    }
+
+    fn zero_align(&self) -> usize {
+        self.inner.zero_align()
+    }
+
+    fn discard_align(&self) -> usize {
+        self.inner.discard_align()
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        self.inner.size()
+    }
+
+    fn resolve_relative_path<P: AsRef<Path>>(&self, relative: P) -> io::Result<PathBuf> {
+        self.inner.resolve_relative_path(relative)
+    }
+
+    fn get_filename(&self) -> Option<PathBuf> {
+        self.inner.get_filename()
+    }
+
+    unsafe fn pure_readv(&self, mut bufv: IoVectorMut<'_>, offset: u64) -> io::Result<()> {
+        let len = bufv.len();
+        if !self.barrier.holds(offset, len) || self.barrier.is_empty() {
+            // SAFETY: the caller's guarantees for this call are passed on unchanged.
+            return unsafe { self.inner.pure_readv(bufv, offset) };
+        }
+        // A read that meets held writes: read, then lay the held data over it.
+        let mut bounce = vec![
+            0u8;
+            usize::try_from(len)
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?
+        ];
+        // SAFETY: a private buffer, which nothing else accesses during the call.
+        unsafe {
+            self.inner
+                .pure_readv(IoVectorMut::from(&mut bounce[..]), offset)?
+        };
+        let end = offset.saturating_add(len);
+        for (at, data) in blkplane_lock_free(&self.barrier.held).iter() {
+            let data_end = at.saturating_add(data.len() as u64);
+            let (from, to) = ((*at).max(offset), data_end.min(end));
+            if from >= to {
+                continue;
+            }
+            // All four are within their buffers: from..to lies inside both ranges.
+            let (Ok(dst), Ok(src), Ok(n)) = (
+                usize::try_from(from.saturating_sub(offset)),
+                usize::try_from(from.saturating_sub(*at)),
+                usize::try_from(to.saturating_sub(from)),
+            ) else {
+                continue;
+            };
+            if let (Some(dst), Some(src)) = (
+                bounce.get_mut(dst..dst.saturating_add(n)),
+                data.get(src..src.saturating_add(n)),
+            ) {
+                dst.copy_from_slice(src);
+            }
+        }
+        bufv.copy_from_slice(&bounce);
+        Ok(())
+    }
+
+    unsafe fn pure_writev(&self, bufv: IoVector<'_>, offset: u64) -> io::Result<()> {
+        if !self.barrier.holds(offset, bufv.len()) {
+            // SAFETY: the caller's guarantees for this call are passed on unchanged.
+            return unsafe { self.inner.pure_writev(bufv, offset) };
+        }
+        let len = usize::try_from(bufv.len())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let mut data = vec![0u8; len];
+        bufv.copy_into_slice(&mut data);
+        blkplane_lock_free(&self.barrier.held).push((offset, data));
+        Ok(())
+    }
+
+    unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        // SAFETY: the caller's guarantees for this call are passed on unchanged.
+        unsafe { self.inner.pure_write_zeroes(offset, length) }
+    }
+
+    unsafe fn pure_write_allocated_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        // SAFETY: the caller's guarantees for this call are passed on unchanged.
+        unsafe { self.inner.pure_write_allocated_zeroes(offset, length) }
+    }
+
+    unsafe fn pure_discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        // SAFETY: the caller's guarantees for this call are passed on unchanged.
+        unsafe { self.inner.pure_discard(offset, length) }
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+
+    unsafe fn invalidate_cache(&self) -> io::Result<()> {
+        // SAFETY: the caller's guarantees for this call are passed on unchanged.
+        unsafe { self.inner.invalidate_cache() }
+    }
+
+    fn get_storage_helper(&self) -> &CommonStorageHelper {
+        self.inner.get_storage_helper()
+    }
+
+    fn resize(&self, new_size: u64, prealloc_mode: PreallocateMode) -> io::Result<()> {
+        self.inner.resize(new_size, prealloc_mode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    const L1: u64 = 0x3_0000;
+    const REFTABLE: u64 = 0x1_0000;
+
+    /// A file with a qcow2 header's geometry fields: 64 KiB clusters, a one-entry L1 table at
+    /// [`L1`], a one-cluster refcount table at [`REFTABLE`].
+    fn image() -> File {
+        let mut header = vec![0u8; 0x6_0000];
+        header[..4].copy_from_slice(b"QFI\xfb");
+        header[20..24].copy_from_slice(&16u32.to_be_bytes());
+        header[36..40].copy_from_slice(&1u32.to_be_bytes());
+        header[40..48].copy_from_slice(&L1.to_be_bytes());
+        header[48..56].copy_from_slice(&REFTABLE.to_be_bytes());
+        header[56..60].copy_from_slice(&1u32.to_be_bytes());
+        let mut file = crate::memory::tests::memfd(0);
+        file.write_all(&header).unwrap();
+        file
+    }
+
+    fn read(storage: &MetadataFile, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        // SAFETY: a private buffer, which nothing else touches during the call.
+        unsafe { storage.pure_readv(IoVectorMut::from(&mut buf[..]), offset) }.unwrap();
+        buf
+    }
+
+    fn write(storage: &MetadataFile, offset: u64, data: &[u8]) {
+        // SAFETY: a private buffer, which nothing else touches during the call.
+        unsafe { storage.pure_writev(IoVector::from(data), offset) }.unwrap();
+    }
+
+    fn on_disk(file: &File, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, offset).unwrap();
+        buf
+    }
+
+    #[test]
+    fn pointer_writes_wait_for_the_barrier_and_reads_see_them() {
+        let file = image();
+        let (storage, barrier) = MetadataFile::open(file.try_clone().unwrap(), true, true).unwrap();
+        // An L1 entry and a refcount-table entry are held; an L2 table's write is not.
+        write(&storage, L1, &[0x80, 0, 0, 0, 0, 5, 0, 0]);
+        write(&storage, REFTABLE + 8, &[0, 0, 0, 0, 0, 6, 0, 0]);
+        write(&storage, 0x5_0000, &[7; 16]);
+        assert_eq!(on_disk(&file, 0x5_0000, 16), [7; 16]);
+        assert_eq!(
+            on_disk(&file, L1, 8),
+            [0; 8],
+            "the L1 entry reached the file early"
+        );
+        assert_eq!(on_disk(&file, REFTABLE + 8, 8), [0; 8]);
+        assert!(!barrier.is_empty());
+        // A read across the held L1 entry sees it, laid over what the file has.
+        let around = read(&storage, L1 - 4, 16);
+        assert_eq!(around[4..12], [0x80, 0, 0, 0, 0, 5, 0, 0]);
+        assert_eq!(around[..4], [0; 4]);
+        // A later write of the same entry wins, in order.
+        write(&storage, L1 + 5, &[9]);
+        assert_eq!(read(&storage, L1, 8), [0x80, 0, 0, 0, 0, 9, 0, 0]);
+        barrier.apply().unwrap();
+        assert!(barrier.is_empty());
+        assert_eq!(on_disk(&file, L1, 8), [0x80, 0, 0, 0, 0, 9, 0, 0]);
+        assert_eq!(on_disk(&file, REFTABLE + 8, 8), [0, 0, 0, 0, 0, 6, 0, 0]);
+    }
+
+    #[test]
+    fn read_only_files_and_raw_layers_hold_nothing() {
+        let file = image();
+        for (writable, qcow2) in [(false, true), (true, false)] {
+            let (storage, barrier) =
+                MetadataFile::open(file.try_clone().unwrap(), writable, qcow2).unwrap();
+            assert!(barrier.held_ranges.is_empty());
+            if writable {
+                write(&storage, L1, &[1; 8]);
+                assert_eq!(on_disk(&file, L1, 8), [1; 8]);
+            }
+            assert!(barrier.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_header_that_does_not_parse_holds_nothing() {
+        let file = crate::memory::tests::memfd(16);
+        let (_, barrier) = MetadataFile::open(file, true, true).unwrap();
+        assert!(barrier.held_ranges.is_empty());
+        let mut bad = image();
+        bad.write_all_at(&40u32.to_be_bytes(), 20).unwrap();
+        let (_, barrier) = MetadataFile::open(bad.try_clone().unwrap(), true, true).unwrap();
+        assert!(barrier.held_ranges.is_empty(), "cluster_bits 40");
+        let _ = bad.flush();
+    }
+}
