@@ -6,7 +6,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`pb`] | the generated service and messages, and the descriptor set reflection serves |
-//! | [`names`] | lower-case names of disk states, event kinds and migration-blocker reasons |
+//! | [`names`] | lower-case names of disk states, event kinds, image formats and migration-blocker reasons |
 //! | [`limits`] | the fields of `ThrottleLimits` by QEMU's names |
 //! | [`settings`] | the optional `settings` of AddDiskRequest and DiskConfig, filled in or read |
 //! | [`time`] | wall-clock times as the API carries them (Unix milliseconds) and prints them |

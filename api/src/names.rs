@@ -2,7 +2,18 @@
 //! metrics labels and logs, and the frontend is sent them in blocker lines; and the admin
 //! socket's suffix, which both sides rely on.
 
-use crate::pb::{DiskState, EventKind, MigrationBlockerReason as Reason};
+use crate::pb::{DiskState, EventKind, ImageFormat, MigrationBlockerReason as Reason};
+
+/// The name of an image format as blkplanectl prints it: QEMU's (`raw`, `qcow2`), and `probe`
+/// for a disk whose frontend probes its image at each start (kept from before blkplaned kept
+/// the format).
+pub fn format_name(format: ImageFormat) -> &'static str {
+    match format {
+        ImageFormat::Unspecified => "probe",
+        ImageFormat::Raw => "raw",
+        ImageFormat::Qcow2 => "qcow2",
+    }
+}
 
 /// The name of a disk state as blkplanectl prints it.
 pub fn state_name(state: DiskState) -> &'static str {
@@ -123,6 +134,8 @@ mod tests {
             assert_eq!(parse_reason(reason_name(r)), Some(r as i32));
         }
         assert_eq!(state_name(DiskState::Ready), "ready");
+        assert_eq!(format_name(ImageFormat::Qcow2), "qcow2");
+        assert_eq!(format_name(ImageFormat::Unspecified), "probe");
         assert_eq!(
             kind_name(EventKind::IothreadRestarted),
             "iothread_restarted"

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
-    GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ListDisksRequest,
-    MigrationStatus, RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest,
-    ResumeDiskRequest, ThrottleConfig, WatchEventsRequest,
+    GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ImageFormat,
+    ListDisksRequest, MigrationStatus, RemoveDiskRequest, RemoveMigrationBlockerRequest,
+    ResizeDiskRequest, ResumeDiskRequest, ThrottleConfig, WatchEventsRequest,
 };
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use connect::{ConnectArgs, ConnectError, Target};
@@ -222,6 +222,11 @@ struct AddArgs {
     /// Host cache mode [default: direct].
     #[arg(long, value_enum)]
     cache: Option<CacheArg>,
+    /// The image's format; qcow2 may have backing files (inside blkplaned's --image-dir
+    /// directories, if it has any) [default: probed from the image's first bytes when the disk
+    /// is added, and kept]. An image to serve raw that starts with qcow2's magic needs raw.
+    #[arg(long, value_enum)]
+    format: Option<FormatArg>,
     /// Pin the iothreads to these CPUs, e.g. 0-1,3.
     #[arg(long, value_name = "LIST")]
     iothread_cpus: Option<String>,
@@ -253,6 +258,15 @@ enum CacheArg {
     Writeback,
     /// Every write durable before it completes.
     Writethrough,
+}
+
+/// Image formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FormatArg {
+    /// The file's bytes are the disk's.
+    Raw,
+    /// QEMU's qcow2, with its backing chain.
+    Qcow2,
 }
 
 /// Parses a number of seconds that `allowed` (said as `allowed_text`) accepts.
@@ -532,6 +546,11 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
                     Some(CacheArg::Direct) => CacheMode::Direct,
                     Some(CacheArg::Writeback) => CacheMode::Writeback,
                     Some(CacheArg::Writethrough) => CacheMode::Writethrough,
+                } as i32,
+                format: match a.format {
+                    None => ImageFormat::Unspecified,
+                    Some(FormatArg::Raw) => ImageFormat::Raw,
+                    Some(FormatArg::Qcow2) => ImageFormat::Qcow2,
                 } as i32,
                 iothread_cpus: a.iothread_cpus.unwrap_or_default(),
                 vhost_socket: match a.vhost_socket {

@@ -11,9 +11,9 @@ use blkplane_proto::v1::{LatencyHistogram, QueueStats, QueueStatus, ResizeDone};
 use serde_json::{json, Value};
 
 use blkplane_api::limits::set_limits;
-use blkplane_api::names::{kind_name, reason_name, state_name, KIND_NAME_WIDTH};
+use blkplane_api::names::{format_name, kind_name, reason_name, state_name, KIND_NAME_WIDTH};
 use blkplane_api::pb::{
-    CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind,
+    CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind, ImageFormat,
     MigrationBlocker, MigrationBlockerReason, MigrationStatus,
 };
 use blkplane_api::time::format_time;
@@ -53,6 +53,14 @@ pub fn cache_name(cache: i32) -> &'static str {
         Ok(CacheMode::Writethrough) => "writethrough",
         Err(_) => "unknown",
     }
+}
+
+/// The name of an image format (`probe` for a disk whose frontend probes at each start,
+/// `unknown` for a number this blkplanectl does not know).
+pub fn image_format_name(format: i32) -> &'static str {
+    ImageFormat::try_from(format)
+        .map(format_name)
+        .unwrap_or("unknown")
 }
 
 fn disk_state(d: &Disk) -> &'static str {
@@ -158,6 +166,7 @@ pub fn disk_json(d: &Disk) -> Value {
         "migration_blockers": d.migration_blockers.iter().map(blocker_json).collect::<Vec<_>>(),
         "config": {
             "image": s.image,
+            "format": image_format_name(s.format),
             "read_only": s.read_only,
             "serial": s.serial,
             "num_queues": s.num_queues,
@@ -267,6 +276,13 @@ pub fn disk_detail(d: &Disk) -> String {
         ),
         ("vhost socket", s.vhost_socket.clone()),
         ("image", s.image.clone()),
+        (
+            "format",
+            match ImageFormat::try_from(s.format) {
+                Ok(ImageFormat::Unspecified) => "probed at each start".into(),
+                _ => image_format_name(s.format).into(),
+            },
+        ),
         (
             "capacity",
             format!(
@@ -806,6 +822,16 @@ mod tests {
         );
         assert_eq!(j["frontend_pid"], 42);
         assert_eq!(j["config"]["cache"], "direct");
+        // The image format: unspecified only for a disk kept from before formats were.
+        assert_eq!(j["config"]["format"], "probe");
+        assert!(disk_detail(&d).contains("\nformat:             probed at each start\n"));
+        let mut qcow2 = d.clone();
+        if let Some(s) = qcow2.config.as_mut().and_then(|c| c.settings.as_mut()) {
+            s.format = ImageFormat::Qcow2 as i32;
+        }
+        assert_eq!(disk_json(&qcow2)["config"]["format"], "qcow2");
+        let text = disk_detail(&qcow2);
+        assert!(text.contains("\nformat:             qcow2\n"), "{text}");
         assert_eq!(j["config"]["incoming_for"], "");
         assert!(disk_detail(&d).contains("frontend pid:"));
         assert!(!disk_detail(&d).contains("incoming"));

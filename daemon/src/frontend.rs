@@ -207,13 +207,15 @@ impl Frontend {
 }
 
 /// The frontend's command line for `spec` (without the program), starting drained if
-/// `drained`. Options use the `--opt=value` form so that a value starting with '-' (a serial,
+/// `drained`, as `user` if given, with a qcow2 image's backing files held to `image_dirs`
+/// (blkplaned's `--image-dir`). Options use the `--opt=value` form so that a value starting with '-' (a serial,
 /// say) is never taken for an option.
 pub fn frontend_args(
     spec: &DiskSpec,
     paths: &DiskPaths,
     drained: bool,
     user: Option<&RunAsSpec>,
+    image_dirs: &[PathBuf],
 ) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut opt = |name: &str, value: &dyn AsRef<std::ffi::OsStr>| {
@@ -224,6 +226,12 @@ pub fn frontend_args(
     opt("socket", &paths.vhost_socket);
     opt("admin-socket", &paths.admin_socket);
     opt("image", &spec.image);
+    if let Some(format) = spec.format {
+        opt("format", &format.as_arg());
+    }
+    for dir in image_dirs {
+        opt("image-dir", dir);
+    }
     if !spec.serial.is_empty() {
         opt("serial", &spec.serial);
     }
@@ -332,7 +340,7 @@ pub async fn start(
             path: paths.log_file.clone(),
             source,
         })?;
-    let args = frontend_args(spec, paths, drained, user);
+    let args = frontend_args(spec, paths, drained, user, &settings.image_dirs);
     let _ = writeln!(
         log,
         "--- blkplaned: starting {} {} (unix time {} ms)",
@@ -711,6 +719,7 @@ mod tests {
         DiskSpec {
             id: "d".into(),
             image: "/img/d.img".into(),
+            format: Some(crate::state::Format::Qcow2),
             read_only: true,
             serial: "-S".into(),
             num_queues: 4,
@@ -729,7 +738,8 @@ mod tests {
     #[test]
     fn command_line() {
         let paths = DiskPaths::new(Path::new("/run/bp/disks"), &spec());
-        let args: Vec<String> = frontend_args(&spec(), &paths, false, None)
+        let dirs = [PathBuf::from("/srv/images"), PathBuf::from("/mnt/golden")];
+        let args: Vec<String> = frontend_args(&spec(), &paths, false, None, &dirs)
             .into_iter()
             .map(|a| a.into_string().unwrap())
             .collect();
@@ -739,6 +749,9 @@ mod tests {
                 "--socket=/run/d.sock",
                 "--admin-socket=/run/bp/disks/d.admin",
                 "--image=/img/d.img",
+                "--format=qcow2",
+                "--image-dir=/srv/images",
+                "--image-dir=/mnt/golden",
                 "--serial=-S",
                 "--num-queues=4",
                 "--queue-size=128",
@@ -750,17 +763,25 @@ mod tests {
             ]
         );
         assert_eq!(identity_arg(&paths), "--admin-socket=/run/bp/disks/d.admin");
+        // A disk kept from before the format was: the frontend probes, as it did then.
+        let probed = DiskSpec {
+            format: None,
+            ..spec()
+        };
+        assert!(!frontend_args(&probed, &paths, false, None, &[])
+            .iter()
+            .any(|a| a.to_string_lossy().starts_with("--format")));
         // The polling bound only when configured (0 included: it disables polling).
         for (us, arg) in [(0, "--poll-max-us=0"), (50, "--poll-max-us=50")] {
             let polling = DiskSpec {
                 poll_max_us: Some(us),
                 ..spec()
             };
-            assert!(frontend_args(&polling, &paths, false, None)
+            assert!(frontend_args(&polling, &paths, false, None, &[])
                 .iter()
                 .any(|a| a == arg));
         }
-        let drained = frontend_args(&spec(), &paths, true, None);
+        let drained = frontend_args(&spec(), &paths, true, None, &[]);
         assert_eq!(drained.last().unwrap(), "--drained");
         // The disk's own user, else blkplaned's --disk-user.
         let own = RunAsSpec {
@@ -783,6 +804,7 @@ mod tests {
             disk_user: None,
             disk_log: crate::disk_log::DiskLogLimit::default(),
             can_run_as: true,
+            image_dirs: Vec::new(),
         };
         let mut other_user = spec();
         assert_eq!(settings.user_of(&other_user), None);
@@ -790,7 +812,13 @@ mod tests {
         assert_eq!(settings.user_of(&other_user), Some(&node));
         other_user.run_as = Some(own.clone());
         assert_eq!(settings.user_of(&other_user), Some(&own));
-        let args = frontend_args(&other_user, &paths, false, settings.user_of(&other_user));
+        let args = frontend_args(
+            &other_user,
+            &paths,
+            false,
+            settings.user_of(&other_user),
+            &settings.image_dirs,
+        );
         assert!(
             args.iter().any(|a| a == "--run-as=107:108:36,995"),
             "{args:?}"
@@ -848,6 +876,7 @@ mod tests {
             disk_user: None,
             disk_log: crate::disk_log::DiskLogLimit::default(),
             can_run_as: false,
+            image_dirs: Vec::new(),
         };
         let mut s = spec();
         s.vhost_socket = dir.join("d.sock");

@@ -67,8 +67,9 @@ struct Args {
     /// allowed). Without it any absolute path without '..' is accepted.
     #[arg(long = "socket-dir", value_name = "DIR")]
     socket_dirs: Vec<PathBuf>,
-    /// Restrict images to this directory (repeatable; symlinks are resolved). Without it any
-    /// regular file or block device is accepted.
+    /// Restrict images, and the backing files of qcow2 images, to this directory (repeatable;
+    /// symlinks are resolved; passed to every frontend). Without it any regular file or block
+    /// device is accepted, and backing files anywhere.
     #[arg(long = "image-dir", value_name = "DIR")]
     image_dirs: Vec<PathBuf>,
     /// The user, group and supplementary groups (numeric) of every disk whose configuration
@@ -230,7 +231,12 @@ async fn run(args: Args) -> Result<(), String> {
         runtime_dir,
         frontend_binary,
         socket_dirs: args.socket_dirs,
-        image_dirs: args.image_dirs,
+        // Absolute: the frontends are passed them too, and check backing files against them.
+        image_dirs: args
+            .image_dirs
+            .iter()
+            .map(|d| absolute(d))
+            .collect::<Result<_, _>>()?,
         disk_user: args.disk_user.map(|r| RunAsSpec {
             uid: r.uid,
             gid: r.gid,

@@ -66,6 +66,10 @@ pub struct Settings {
     /// Whether blkplaned may run frontends as other users (see
     /// [`crate::validate::can_run_disks_as_other_users`]).
     pub can_run_as: bool,
+    /// blkplaned's `--image-dir` directories, passed to every frontend: a qcow2 image's
+    /// header is the image owner's to write, and names backing files the frontend opens at
+    /// each start, so they are held to the directories the image is (empty: anywhere).
+    pub image_dirs: Vec<PathBuf>,
 }
 
 impl Settings {

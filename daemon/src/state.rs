@@ -101,6 +101,47 @@ impl Cache {
     }
 }
 
+/// An image format, as stored and as passed to the frontend's `--format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// The file's bytes are the disk's.
+    Raw,
+    /// qcow2, with its backing chain.
+    Qcow2,
+}
+
+impl Format {
+    /// The frontend's `--format` value.
+    pub fn as_arg(self) -> &'static str {
+        self.to_chain().name()
+    }
+
+    /// The API value.
+    pub fn to_pb(self) -> pb::ImageFormat {
+        match self {
+            Format::Raw => pb::ImageFormat::Raw,
+            Format::Qcow2 => pb::ImageFormat::Qcow2,
+        }
+    }
+
+    /// The format as `blkplane-chain` (and the frontend) name it.
+    pub fn to_chain(self) -> blkplane_chain::ImageFormat {
+        match self {
+            Format::Raw => blkplane_chain::ImageFormat::Raw,
+            Format::Qcow2 => blkplane_chain::ImageFormat::Qcow2,
+        }
+    }
+
+    /// The stored value of a format `blkplane-chain` found.
+    pub fn from_chain(format: blkplane_chain::ImageFormat) -> Format {
+        match format {
+            blkplane_chain::ImageFormat::Raw => Format::Raw,
+            blkplane_chain::ImageFormat::Qcow2 => Format::Qcow2,
+        }
+    }
+}
+
 /// One disk's configuration: validated, defaults filled in, paths absolute.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskSpec {
@@ -108,6 +149,12 @@ pub struct DiskSpec {
     pub id: String,
     /// The image.
     pub image: PathBuf,
+    /// The image's format, given or probed when the disk was added, so that every start
+    /// serves it so (a guest that writes qcow2's magic into a raw disk does not make it qcow2
+    /// at the next start). `None` only in files written before the format was kept: the
+    /// frontend probes at each start, as it did then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<Format>,
     /// Offered read-only.
     #[serde(default)]
     pub read_only: bool,
@@ -180,6 +227,9 @@ impl DiskSpec {
     fn settings(&self) -> pb::DiskSettings {
         pb::DiskSettings {
             image: self.image.to_string_lossy().into_owned(),
+            format: self
+                .format
+                .map_or(pb::ImageFormat::Unspecified, Format::to_pb) as i32,
             read_only: self.read_only,
             serial: self.serial.clone(),
             num_queues: u32::from(self.num_queues),
@@ -484,6 +534,7 @@ mod tests {
         DiskSpec {
             id: id.into(),
             image: PathBuf::from(format!("/images/{id}.img")),
+            format: Some(Format::Raw),
             read_only: false,
             serial: "s".into(),
             num_queues: 2,
@@ -579,6 +630,32 @@ mod tests {
         assert_eq!(loaded.disks[0].frontend_restarts, 0);
         assert_eq!(loaded.disks[0].spec.id, "x");
         assert_eq!(loaded.disks[0].spec.incoming_for, None);
+        // Written before the format was kept: probed at each start, shown as unspecified.
+        assert_eq!(loaded.disks[0].spec.format, None);
+        assert_eq!(
+            loaded.disks[0].spec.to_pb().settings_or_default().format,
+            pb::ImageFormat::Unspecified as i32
+        );
+    }
+
+    #[test]
+    fn format_is_persisted_and_shown() {
+        let scratch = blkplane_tests::TempDir::new("format");
+        let store = StateStore::new(scratch.path());
+        let mut a = stored("a");
+        a.spec.format = Some(Format::Qcow2);
+        let mut b = stored("b");
+        b.spec.format = None;
+        let text = saved_text(&store, vec![a.clone(), b.clone(), stored("c")]);
+        assert_eq!(text.matches("\"format\": \"qcow2\"").count(), 1, "{text}");
+        assert_eq!(text.matches("\"format\": \"raw\"").count(), 1, "{text}");
+        // Not kept (an older file's disk): not written either.
+        assert_eq!(text.matches("\"format\"").count(), 2, "{text}");
+        let shown = |d: &StoredDisk| d.spec.to_pb().settings_or_default().format;
+        assert_eq!(shown(&a), pb::ImageFormat::Qcow2 as i32);
+        assert_eq!(shown(&b), pb::ImageFormat::Unspecified as i32);
+        assert_eq!(Format::Qcow2.as_arg(), "qcow2");
+        assert_eq!(Format::Raw.as_arg(), "raw");
     }
 
     /// Saves `disks`, checks that they load back as saved, and returns the file's text.

@@ -273,25 +273,33 @@ struct Node {
     daemon: Option<Daemon>,
     frontends: KillFrontends,
     dir: TempDir,
+    /// blkplaned's options beyond the directories and the frontend, at every (re)start.
+    extra: Vec<String>,
 }
 
 impl Node {
     async fn start(tag: &str) -> Node {
-        let dir = TempDir::new(tag);
+        Self::start_in(TempDir::new(tag), Vec::new()).await
+    }
+
+    /// A node on `dir` (which may hold images already), blkplaned run with `extra`.
+    async fn start_in(dir: TempDir, extra: Vec<String>) -> Node {
         let frontends = KillFrontends(dir.path().join("run/disks"));
-        let (daemon, client) = Self::launch(dir.path()).await;
+        let (daemon, client) = Self::launch(dir.path(), &extra).await;
         Node {
             client,
             daemon: Some(daemon),
             frontends,
             dir,
+            extra,
         }
     }
 
-    /// Starts blkplaned on `dir` and connects to it.
-    async fn launch(dir: &Path) -> (Daemon, ControlClient<Channel>) {
+    /// Starts blkplaned on `dir` with `extra` and connects to it.
+    async fn launch(dir: &Path, extra: &[String]) -> (Daemon, ControlClient<Channel>) {
         let frontend = &blkplane_tests::binaries().frontend;
-        let daemon = start_with(dir, frontend, &[]);
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let daemon = start_with(dir, frontend, &extra);
         let client = ControlClient::new(unix_channel(&dir.join("run/control.sock")).await);
         (daemon, client)
     }
@@ -300,7 +308,7 @@ impl Node {
     /// same directories.
     async fn restart(&mut self) {
         drop(self.daemon.take());
-        let (daemon, client) = Self::launch(self.dir.path()).await;
+        let (daemon, client) = Self::launch(self.dir.path(), &self.extra).await;
         self.daemon = Some(daemon);
         self.client = client;
     }
@@ -1457,4 +1465,193 @@ async fn frontend_takes_the_limits() {
     let before = throttled_ops(&mut node, "a").await;
     read_blocks(&mut vmm, 30);
     assert_eq!(throttled_ops(&mut node, "a").await, before);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Image formats and qcow2 backing chains.
+
+use blkplane_daemon::pb::ImageFormat;
+use blkplane_daemon::state::Format;
+
+/// `qemu-img ARGS`.
+fn qemu_img(args: &[&str]) {
+    let out = Command::new("qemu-img")
+        .args(args)
+        .output()
+        .expect("running qemu-img");
+    assert!(out.status.success(), "qemu-img {args:?}: {out:?}");
+}
+
+/// blkplanectl on the node's control socket.
+fn ctl(node: &Node, args: &[&str]) -> std::process::Output {
+    Command::new(&blkplane_tests::binaries().blkplanectl)
+        .arg("--socket")
+        .arg(node.path("run/control.sock"))
+        .args(args)
+        .output()
+        .expect("running blkplanectl")
+}
+
+/// A qcow2 image made by qemu-img over a raw base, added without a format: blkplaned probes
+/// it, checks its chain, keeps the format (state.json, GetDisk, `blkplanectl disk show`) and
+/// starts the frontend with `--format qcow2` and its `--image-dir`; the guest reads the base
+/// through it and writes into the overlay only; ResizeDisk is refused as a precondition. A
+/// backing file outside `--image-dir` is refused naming `settings.image`, leaving nothing
+/// behind; a raw image that starts with qcow2's magic is served raw with `--format raw`.
+#[tokio::test]
+async fn qcow2_disk_format_chain_and_io() {
+    let dir = TempDir::new("qcow2");
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let images_arg = path_str(&images);
+    let mut node = Node::start_in(dir, vec!["--image-dir".into(), images_arg.clone()]).await;
+
+    let base = blkplane_tests::create_random_image(&images.join("base.raw"), 8 * MIB, 7);
+    let top = images.join("top.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        &path_str(&top),
+        "16M",
+    ]);
+    let added = node
+        .add(AddDiskRequest::with_image("q", path_str(&top)))
+        .await
+        .expect("AddDisk of a qcow2 image");
+    let settings = added.config.clone().unwrap().settings_or_default();
+    assert_eq!(settings.format, ImageFormat::Qcow2 as i32);
+    // The virtual size, not the file's.
+    assert_eq!(added.capacity_bytes, 16 * MIB);
+    let argv = blkplane_tests::daemon::cmdline(added.frontend_pid);
+    for want in [
+        "--format=qcow2".to_string(),
+        format!("--image-dir={images_arg}"),
+    ] {
+        assert!(argv.contains(&want), "{want} not in {argv:?}");
+    }
+    assert_eq!(
+        node.get("q")
+            .await
+            .config
+            .unwrap()
+            .settings_or_default()
+            .format,
+        ImageFormat::Qcow2 as i32
+    );
+    let state = StateStore::new(&node.path("state")).load().unwrap();
+    assert_eq!(state.disks[0].spec.format, Some(Format::Qcow2));
+    let shown = ctl(&node, &["-o", "json", "disk", "show", "q"]);
+    assert!(shown.status.success(), "{shown:?}");
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["config"]["format"], "qcow2", "{shown}");
+
+    // I/O: the base's data through the overlay; a write lands in the overlay only.
+    let socket = PathBuf::from(settings.vhost_socket);
+    let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
+    let want = blkplane_tests::read_file_at(&base, MIB, 4096);
+    let got = vmm.queue(0).read_at(MIB, 4096).expect("read through q");
+    blkplane_tests::assert_same_data("the base through the overlay", &got, &want);
+    let data = blkplane_tests::pattern(9, 8192);
+    vmm.queue(0)
+        .write_at(12 * MIB, &data)
+        .expect("write through q");
+    vmm.queue(0).flush().expect("flush");
+    let got = vmm.queue(0).read_at(12 * MIB, 8192).expect("read back");
+    blkplane_tests::assert_same_data("written data", &got, &data);
+    drop(vmm);
+    assert_eq!(std::fs::metadata(&base).unwrap().len(), 8 * MIB);
+
+    // Resizing a qcow2 disk: the frontend refuses, blkplaned says so as a precondition.
+    let r = node
+        .client
+        .resize_disk(ResizeDiskRequest {
+            id: "q".into(),
+            new_size_bytes: 32 * MIB,
+        })
+        .await;
+    match r {
+        Ok(v) => panic!("a qcow2 disk was resized: {v:?}"),
+        Err(s) => {
+            assert_eq!(s.code(), Code::FailedPrecondition, "{}", s.message());
+            assert!(s.message().contains("qcow2"), "{}", s.message());
+        }
+    }
+
+    // A backing file outside --image-dir: refused before anything starts.
+    let secret = blkplane_tests::create_image(&node.path("secret.raw"), 8 * MIB);
+    let escape = images.join("escape.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        &path_str(&secret),
+        "-F",
+        "raw",
+        &path_str(&escape),
+        "8M",
+    ]);
+    let files = node.runtime_files();
+    let r = node
+        .add(AddDiskRequest::with_image("escape", path_str(&escape)))
+        .await;
+    let message = r.as_ref().err().map(|s| s.message().to_string());
+    assert_refused(
+        "a backing file outside --image-dir",
+        r,
+        Code::InvalidArgument,
+        "settings.image",
+    );
+    let message = message.unwrap_or_default();
+    assert!(
+        message.contains("outside the allowed image directories") && message.contains("secret.raw"),
+        "{message}"
+    );
+    assert_eq!(node.runtime_files(), files);
+    assert_eq!(node.ids().await, ["q"]);
+
+    // A raw image that starts with qcow2's magic, served raw because it is said so
+    // (blkplanectl's --format).
+    let magic = images.join("magic.raw");
+    blkplane_tests::create_image(&magic, 8 * MIB);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&magic)
+            .unwrap();
+        f.write_all_at(b"QFI\xfb\0\0\0\x03", 0).unwrap();
+    }
+    let out = ctl(
+        &node,
+        &[
+            "-o",
+            "json",
+            "disk",
+            "add",
+            "m",
+            "--image",
+            &path_str(&magic),
+            "--format",
+            "raw",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(m["config"]["format"], "raw", "{m}");
+    assert_eq!(m["capacity_bytes"], 8 * MIB, "{m}");
+    let pid = m["frontend_pid"].as_u64().unwrap() as u32;
+    assert!(
+        blkplane_tests::daemon::cmdline(pid).contains(&"--format=raw".to_string()),
+        "{:?}",
+        blkplane_tests::daemon::cmdline(pid)
+    );
 }

@@ -59,6 +59,7 @@ impl Daemon {
             disk_user: config.disk_user,
             disk_log: config.disk_log,
             can_run_as: validate::can_run_disks_as_other_users(),
+            image_dirs: config.image_dirs.clone(),
         });
         let daemon = Arc::new(Daemon {
             settings,

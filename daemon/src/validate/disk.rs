@@ -2,16 +2,19 @@
 //! vhost-user socket, the CPU list and the user its processes run as. Every error names the
 //! request field (`settings.num_queues`).
 
+use std::fs::OpenOptions;
+use std::io::{Seek, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
 
+use blkplane_chain::{self as chain, ChainError};
 use blkplane_procfs as proc;
 
 use super::{check_id, invalid, Context, ValidationError};
 
-use crate::pb::{AddDiskRequest, CacheMode, RunAs};
-use crate::state::{Cache, DiskSpec, RunAsSpec};
+use crate::pb::{AddDiskRequest, CacheMode, ImageFormat, RunAs};
+use crate::state::{Cache, DiskSpec, Format, RunAsSpec};
 
 /// Longest serial number (virtio-blk GET_ID answers 20 bytes).
 pub const MAX_SERIAL_LEN: usize = 20;
@@ -114,61 +117,52 @@ pub fn image_identity(path: &Path) -> Option<ImageIdentity> {
     }
 }
 
-/// Checks `image` (absolute, exists, a regular file or block device, at least one block,
-/// inside an allowed directory if any are configured) and returns its identity.
+/// Checks `image` (absolute, exists, a regular file or block device, inside an allowed
+/// directory if any are configured) in `format` (`None`: probed from its first bytes, as the
+/// frontend would): a qcow2 image's backing chain is opened as the frontend will open it
+/// (depth, loops, the allowed directories, what imago serves), and the disk (a qcow2 image's
+/// virtual size) is at least one block. Returns the image's identity and its format.
 pub fn check_image(
     image: &str,
     block_size: u32,
+    format: Option<Format>,
     image_dirs: &[PathBuf],
-) -> Result<ImageIdentity, ValidationError> {
+) -> Result<(ImageIdentity, Format), ValidationError> {
+    const F: &str = "settings.image";
     if image.is_empty() {
-        return Err(invalid("settings.image", "must not be empty"));
+        return Err(invalid(F, "must not be empty"));
     }
     let path = Path::new(image);
     if !path.is_absolute() {
-        return Err(invalid(
-            "settings.image",
-            format!("{image:?} is not an absolute path"),
-        ));
+        return Err(invalid(F, format!("{image:?} is not an absolute path")));
     }
+    let not_found = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
     let md = match std::fs::metadata(path) {
         Ok(md) => md,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        Err(e) if not_found(&e) => {
             return Err(ValidationError::NotFound {
-                field: "settings.image",
+                field: F,
                 reason: format!("{image} does not exist"),
             })
         }
-        Err(e) => return Err(invalid("settings.image", format!("{image}: {e}"))),
+        Err(e) => return Err(invalid(F, format!("{image}: {e}"))),
     };
-    let ft = md.file_type();
-    let size = if ft.is_file() {
-        md.len()
-    } else if ft.is_block_device() {
-        proc::block_device_size(path)
-            .map_err(|e| invalid("settings.image", format!("{image}: {e}")))?
-    } else {
+    let is_image = |ft: std::fs::FileType| ft.is_file() || ft.is_block_device();
+    if !is_image(md.file_type()) {
         return Err(invalid(
-            "settings.image",
+            F,
             format!("{image} is not a regular file or a block device"),
-        ));
-    };
-    if size < u64::from(block_size) {
-        return Err(invalid(
-            "settings.image",
-            format!("{image} has {size} bytes, less than one {block_size}-byte block"),
         ));
     }
     if !image_dirs.is_empty() {
         // Resolved, so that neither a symlink nor a '..' leads out of the allowed directories.
-        let real = std::fs::canonicalize(path)
-            .map_err(|e| invalid("settings.image", format!("{image}: {e}")))?;
+        let real = std::fs::canonicalize(path).map_err(|e| invalid(F, format!("{image}: {e}")))?;
         let inside = image_dirs
             .iter()
             .any(|dir| std::fs::canonicalize(dir).is_ok_and(|dir| real.starts_with(dir)));
         if !inside {
             return Err(invalid(
-                "settings.image",
+                F,
                 format!(
                     "{image} is outside the allowed image directories ({})",
                     image_dirs
@@ -180,8 +174,69 @@ pub fn check_image(
             ));
         }
     }
-    image_identity(path)
-        .ok_or_else(|| invalid("settings.image", format!("{image} changed while checked")))
+    // Read-only, and non-blocking in case the path was replaced by a FIFO since the stat: the
+    // type is checked again on what was opened.
+    let mut file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| invalid(F, format!("{image}: cannot open it: {e}")))?;
+    let md = file
+        .metadata()
+        .map_err(|e| invalid(F, format!("{image}: {e}")))?;
+    let identity = if md.file_type().is_file() {
+        ImageIdentity::File {
+            dev: md.dev(),
+            ino: md.ino(),
+        }
+    } else if md.file_type().is_block_device() {
+        ImageIdentity::Block { rdev: md.rdev() }
+    } else {
+        return Err(invalid(F, format!("{image} changed while checked")));
+    };
+    let format = match format {
+        Some(format) => format,
+        None => {
+            Format::from_chain(chain::probe(&file, path).map_err(|e| invalid(F, e.to_string()))?)
+        }
+    };
+    // SEEK_END gives the size of regular files and block devices alike, as in the frontend.
+    let (size, what) = match format {
+        Format::Raw => (
+            file.seek(SeekFrom::End(0))
+                .map_err(|e| invalid(F, format!("{image}: {e}")))?,
+            "bytes",
+        ),
+        Format::Qcow2 => (
+            chain::open(&file, path, image_dirs)
+                .map_err(chain_error)?
+                .size,
+            "bytes of virtual size",
+        ),
+    };
+    if size < u64::from(block_size) {
+        return Err(invalid(
+            F,
+            format!("{image} has {size} {what}, less than one {block_size}-byte block"),
+        ));
+    }
+    Ok((identity, format))
+}
+
+/// A qcow2 chain the frontend would refuse, as `settings.image`'s error: NOT_FOUND for a
+/// backing file that does not exist, INVALID_ARGUMENT for the rest; the message has the chain
+/// problem with its paths.
+fn chain_error(e: ChainError) -> ValidationError {
+    const F: &str = "settings.image";
+    match &e {
+        ChainError::OpenBacking { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            ValidationError::NotFound {
+                field: F,
+                reason: e.to_string(),
+            }
+        }
+        _ => invalid(F, e.to_string()),
+    }
 }
 
 /// Checks a CPU list: well-formed, and every CPU present on this machine.
@@ -419,13 +474,39 @@ pub fn check_add(
             format!("{us} µs; at most {MAX_POLL_MAX_US} µs are allowed (0 disables polling)"),
         ));
     }
-    let identity = check_image(&s.image, block_size, &ctx.image_dirs)?;
+    let format = match ImageFormat::try_from(s.format) {
+        Ok(ImageFormat::Unspecified) => None,
+        Ok(ImageFormat::Raw) => Some(Format::Raw),
+        Ok(ImageFormat::Qcow2) => Some(Format::Qcow2),
+        Err(_) => {
+            return Err(invalid(
+                "settings.format",
+                format!("{} is not an ImageFormat value", s.format),
+            ))
+        }
+    };
+    let (identity, format) = check_image(&s.image, block_size, format, &ctx.image_dirs)?;
+    if format == Format::Qcow2 && !req.incoming_for.is_empty() {
+        // Each frontend keeps the image's metadata (L2 tables, refcounts) in its iothread and
+        // writes it back from there: two frontends on one qcow2 image would allocate the same
+        // clusters.
+        return Err(ValidationError::FailedPrecondition {
+            field: "incoming_for",
+            reason: format!(
+                "the image {} of disk {} is qcow2, and live migration of a qcow2 disk is not \
+                 supported yet (both frontends would cache and write its metadata)",
+                s.image, req.incoming_for
+            ),
+        });
+    }
     let vhost_socket = resolve_vhost_socket(&s.vhost_socket, &req.id, ctx)?;
 
     // The casts cannot truncate: every value was range-checked above.
     let spec = DiskSpec {
         id: req.id.clone(),
         image: PathBuf::from(&s.image),
+        // Kept, probed or not: see DiskSpec::format.
+        format: Some(format),
         read_only: s.read_only,
         serial: s.serial.clone(),
         num_queues: num_queues as u16,
@@ -770,6 +851,189 @@ pub(super) mod tests {
         std::os::unix::fs::symlink(tmp.path().join("disk.img"), allowed.join("link.img")).unwrap();
         r.settings_mut().image = allowed.join("link.img").to_str().unwrap().into();
         assert_eq!(field_of(check_add(&r, &c)), "settings.image");
+    }
+
+    /// `qemu-img ARGS` (qemu-img makes the qcow2 images, as an operator would).
+    fn qemu_img(args: &[&str]) {
+        let out = std::process::Command::new("qemu-img")
+            .args(args)
+            .output()
+            .expect("running qemu-img");
+        assert!(out.status.success(), "qemu-img {args:?}: {out:?}");
+    }
+
+    /// A qcow2 image at `path` of `size` bytes, over `backing` (a name as the header keeps
+    /// it, with its format) if given.
+    fn qcow2(path: &Path, size: u64, backing: Option<(&str, &str)>) -> String {
+        let size = size.to_string();
+        let mut args = vec!["create", "-q", "-f", "qcow2"];
+        if let Some((name, format)) = backing {
+            args.extend(["-u", "-b", name, "-F", format]);
+        }
+        args.extend([path.to_str().unwrap(), size.as_str()]);
+        qemu_img(&args);
+        path.to_str().unwrap().to_string()
+    }
+
+    fn with_image(base: &AddDiskRequest, image: &str, format: ImageFormat) -> AddDiskRequest {
+        let mut r = base.clone();
+        r.settings_mut().image = image.into();
+        r.settings_mut().format = format as i32;
+        r
+    }
+
+    /// The format is kept as given or as probed; the size rule takes a qcow2 image's virtual
+    /// size; a raw image starting with qcow2's magic is raw only when said so.
+    #[test]
+    fn formats_given_and_probed() {
+        let tmp = Tmp::new("formats");
+        let c = ctx(&tmp);
+        let base = request(&tmp);
+        let raw = base.settings_or_default().image;
+        let format_of = |r: &AddDiskRequest| check_add(r, &c).unwrap().0.format;
+        assert_eq!(format_of(&base), Some(Format::Raw));
+        assert_eq!(
+            format_of(&with_image(&base, &raw, ImageFormat::Raw)),
+            Some(Format::Raw)
+        );
+        // A qcow2 file of a few hundred KiB with a 1 GiB disk: probed, and its virtual size
+        // counts.
+        let q = qcow2(&tmp.path().join("q.qcow2"), 1 << 30, None);
+        assert!(std::fs::metadata(&q).unwrap().len() < 1 << 20);
+        let probed = with_image(&base, &q, ImageFormat::Unspecified);
+        assert_eq!(format_of(&probed), Some(Format::Qcow2));
+        assert_eq!(
+            format_of(&with_image(&base, &q, ImageFormat::Qcow2)),
+            Some(Format::Qcow2)
+        );
+        // Served raw when asked: its file is the disk.
+        assert_eq!(
+            format_of(&with_image(&base, &q, ImageFormat::Raw)),
+            Some(Format::Raw)
+        );
+        // A qcow2 of less than a block of virtual size, whatever its file's size.
+        let tiny = qcow2(&tmp.path().join("tiny.qcow2"), 0, None);
+        let e = check_add(&with_image(&base, &tiny, ImageFormat::Unspecified), &c).unwrap_err();
+        assert_eq!(e.field(), "settings.image");
+        assert!(e.to_string().contains("virtual size"), "{e}");
+        // A raw file is not checked as qcow2 when it is not one.
+        let e = check_add(&with_image(&base, &raw, ImageFormat::Qcow2), &c).unwrap_err();
+        assert_eq!(e.field(), "settings.image");
+        assert!(e.to_string().contains("not a qcow2 image"), "{e}");
+        let mut unknown = base.clone();
+        unknown.settings_mut().format = 7;
+        assert_eq!(field_of(check_add(&unknown, &c)), "settings.format");
+        // An incoming disk of a qcow2 image is refused: two frontends would cache its
+        // metadata.
+        let mut incoming = with_image(&base, &q, ImageFormat::Unspecified);
+        incoming.incoming_for = "src".into();
+        assert!(matches!(
+            check_add(&incoming, &c),
+            Err(ValidationError::FailedPrecondition {
+                field: "incoming_for",
+                ..
+            })
+        ));
+    }
+
+    /// A backing chain the frontend would refuse is refused at AddDisk, naming
+    /// `settings.image` and the chain: a loop, a missing backing file (NOT_FOUND), a backing
+    /// file outside the --image-dir directories.
+    #[test]
+    fn backing_chains() {
+        let tmp = Tmp::new("chains");
+        let mut c = ctx(&tmp);
+        let base = request(&tmp);
+        let dir = tmp.path().join("images");
+        std::fs::create_dir(&dir).unwrap();
+        // A chain that is fine: top -> mid -> base.raw, relative names.
+        let raw = dir.join("base.raw");
+        std::fs::File::create(&raw)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        qcow2(&dir.join("mid.qcow2"), 1 << 20, Some(("base.raw", "raw")));
+        let top = qcow2(
+            &dir.join("top.qcow2"),
+            1 << 20,
+            Some(("mid.qcow2", "qcow2")),
+        );
+        let probed = with_image(&base, &top, ImageFormat::Unspecified);
+        assert_eq!(
+            check_add(&probed, &c).unwrap().0.format,
+            Some(Format::Qcow2)
+        );
+
+        // a -> b -> a.
+        let b = qcow2(&dir.join("b.qcow2"), 1 << 20, None);
+        let a = qcow2(&dir.join("a.qcow2"), 1 << 20, Some(("b.qcow2", "qcow2")));
+        qemu_img(&[
+            "rebase", "-q", "-u", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", &b,
+        ]);
+        for format in [ImageFormat::Unspecified, ImageFormat::Qcow2] {
+            let e = check_add(&with_image(&base, &a, format), &c).unwrap_err();
+            assert!(matches!(e, ValidationError::Invalid { .. }), "{e:?}");
+            let text = e.to_string();
+            assert!(text.starts_with("settings.image: "), "{text}");
+            assert!(text.contains("loops") && text.contains("b.qcow2"), "{text}");
+        }
+
+        // A backing file that does not exist.
+        let orphan = qcow2(
+            &dir.join("orphan.qcow2"),
+            1 << 20,
+            Some(("gone.raw", "raw")),
+        );
+        let e = check_add(&with_image(&base, &orphan, ImageFormat::Unspecified), &c).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ValidationError::NotFound {
+                    field: "settings.image",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("gone.raw"), "{e}");
+
+        // With --image-dir: a backing file outside it, by '..' or by an absolute name, is
+        // refused; the chain inside it is fine.
+        c.image_dirs = vec![dir.clone()];
+        let secret = tmp.path().join("secret.raw");
+        std::fs::File::create(&secret)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let climbing = qcow2(
+            &dir.join("climbing.qcow2"),
+            1 << 20,
+            Some(("../secret.raw", "raw")),
+        );
+        let absolute = qcow2(
+            &dir.join("absolute.qcow2"),
+            1 << 20,
+            Some((secret.to_str().unwrap(), "raw")),
+        );
+        for image in [&climbing, &absolute] {
+            let e = check_add(&with_image(&base, image, ImageFormat::Unspecified), &c).unwrap_err();
+            assert_eq!(e.field(), "settings.image", "{e}");
+            let text = e.to_string();
+            assert!(
+                text.contains("outside the allowed image directories"),
+                "{text}"
+            );
+            assert!(text.contains("secret.raw"), "{text}");
+        }
+        assert!(check_add(&probed, &c).is_ok());
+        // Served raw, its header names nothing.
+        assert_eq!(
+            check_add(&with_image(&base, &climbing, ImageFormat::Raw), &c)
+                .unwrap()
+                .0
+                .format,
+            Some(Format::Raw)
+        );
     }
 
     #[test]

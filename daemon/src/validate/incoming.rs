@@ -5,8 +5,9 @@ use std::path::Path;
 
 use super::disk::image_identity;
 use super::{check_id_in, invalid, ValidationError};
-use crate::pb::AddDiskRequest;
+use crate::pb::{AddDiskRequest, ImageFormat};
 use crate::state::DiskSpec;
+use blkplane_api::names::format_name;
 
 /// The source disk of an incoming disk, as [`resolve_incoming`] needs to see it.
 #[derive(Debug, Clone, Copy)]
@@ -21,8 +22,8 @@ pub struct MigrationSource<'a> {
 
 /// Checks `incoming_for` of an AddDisk request against the disk it names (`source`: `None`
 /// when no disk has that id) and returns the request with the fields the guest sees taken
-/// from the source where the request leaves them zero or empty: the image, `read_only`,
-/// `serial`, `num_queues`, `queue_size`, `block_size`. A value the request does set must be
+/// from the source where the request leaves them zero or empty: the image, `format`,
+/// `read_only`, `serial`, `num_queues`, `queue_size`, `block_size`. A value the request does set must be
 /// the source's, because the migrated guest must find the same device; the image may be
 /// named by another path, but must be the same file. A request without `incoming_for` is
 /// returned as it is. [`check_add`] then checks the result like any request.
@@ -156,6 +157,22 @@ pub fn resolve_incoming(
             return Err(differs(field, requested.to_string(), source.to_string()));
         }
         *slot = source;
+    }
+    // The source's kept format; one kept from before formats were (`None`) is probed again by
+    // check_add, on the same image.
+    if let Some(format) = src.format {
+        let format = format.to_pb();
+        if asked.format != 0 && asked.format != format as i32 {
+            let asked_name = ImageFormat::try_from(asked.format)
+                .map(format_name)
+                .unwrap_or("an unknown format");
+            return Err(differs(
+                "settings.format",
+                asked_name.to_string(),
+                format_name(format).to_string(),
+            ));
+        }
+        settings.format = format as i32;
     }
     Ok(AddDiskRequest {
         settings: Some(settings),
@@ -301,6 +318,19 @@ mod tests {
             invalid_field(with(&|r| r.incoming_for = "dst".into())),
             "incoming_for"
         );
+        // The format: the source's kept one is taken; another is refused.
+        assert_eq!(src.format, Some(crate::state::Format::Raw));
+        assert_eq!(
+            with(&|_| {}).unwrap().settings_or_default().format,
+            ImageFormat::Raw as i32
+        );
+        assert_eq!(
+            invalid_field(with(
+                &|r| r.settings_mut().format = ImageFormat::Qcow2 as i32
+            )),
+            "settings.format"
+        );
+        assert!(with(&|r| r.settings_mut().format = ImageFormat::Raw as i32).is_ok());
         let e = with(&|r| r.settings_mut().num_queues = 2)
             .unwrap_err()
             .to_string();
