@@ -163,7 +163,8 @@ pub enum ImageKind {
     /// A qcow2 image in tmpfs with every cluster allocated (converted from pseudo-random raw
     /// data, 64 KiB clusters), served by blkplane and qsd: the metadata lookup on top of shm.
     Qcow2,
-    /// A fresh (empty) qcow2 image in tmpfs, made anew for every run: writes allocate.
+    /// A fresh (empty) qcow2 image in tmpfs with 4 KiB clusters, made anew for every run:
+    /// writes allocate.
     Qcow2Fresh,
 }
 
