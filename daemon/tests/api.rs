@@ -1495,7 +1495,7 @@ fn ctl(node: &Node, args: &[&str]) -> std::process::Output {
 /// A qcow2 image made by qemu-img over a raw base, added without a format: blkplaned probes
 /// it, checks its chain, keeps the format (state.json, GetDisk, `blkplanectl disk show`) and
 /// starts the frontend with `--format qcow2` and its `--image-dir`; the guest reads the base
-/// through it and writes into the overlay only; ResizeDisk is refused as a precondition. A
+/// through it and writes into the overlay only; ResizeDisk grows its virtual size. A
 /// backing file outside `--image-dir` is refused naming `settings.image`, leaving nothing
 /// behind; a raw image that starts with qcow2's magic is served raw with `--format raw`.
 #[tokio::test]
@@ -1567,21 +1567,32 @@ async fn qcow2_disk_format_chain_and_io() {
     drop(vmm);
     assert_eq!(std::fs::metadata(&base).unwrap().len(), 8 * MIB);
 
-    // Resizing a qcow2 disk: the frontend refuses, blkplaned says so as a precondition.
-    let r = node
+    // Resizing a qcow2 disk grows its virtual size (the iothread writes the header and L1
+    // table): the capacity, qemu-img's view and I/O past the old end all follow.
+    let resized = node
         .client
         .resize_disk(ResizeDiskRequest {
             id: "q".into(),
             new_size_bytes: 32 * MIB,
         })
-        .await;
-    match r {
-        Ok(v) => panic!("a qcow2 disk was resized: {v:?}"),
-        Err(s) => {
-            assert_eq!(s.code(), Code::FailedPrecondition, "{}", s.message());
-            assert!(s.message().contains("qcow2"), "{}", s.message());
-        }
-    }
+        .await
+        .expect("resizing a qcow2 disk")
+        .into_inner();
+    assert_eq!(resized.capacity_bytes, 32 * MIB);
+    let info = Command::new("qemu-img")
+        .args(["info", "-U", "--output=json", &path_str(&top)])
+        .output()
+        .expect("running qemu-img");
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["virtual-size"], 32 * MIB, "{info}");
+    let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
+    assert_eq!(vmm.capacity(), 32 * MIB);
+    vmm.queue(0)
+        .write_at(30 * MIB, &data)
+        .expect("write past the old end");
+    let got = vmm.queue(0).read_at(30 * MIB, 8192).expect("read back");
+    blkplane_tests::assert_same_data("data past the old end", &got, &data);
+    drop(vmm);
 
     // A backing file outside --image-dir: refused before anything starts.
     let secret = blkplane_tests::create_image(&node.path("secret.raw"), 8 * MIB);

@@ -261,6 +261,11 @@ impl IothreadLink {
         self.call(&ControlRequest::SetMemoryTable(regions), &fds)
     }
 
+    /// Asks the iothread to grow its qcow2 image's virtual size to `size` bytes.
+    pub fn grow_image(&self, size: u64) -> Result<(), IothreadError> {
+        self.call(&ControlRequest::GrowImage { size }, &[])
+    }
+
     /// Hands the iothread a virtqueue to complete requests of: `spec` says where its rings
     /// are, `region` is the inflight region its requests are marked in, `call` its call
     /// eventfd.

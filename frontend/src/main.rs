@@ -288,6 +288,7 @@ fn run(args: Args) -> Result<(), String> {
             Arc::clone(&disk),
             Arc::clone(&image),
             Arc::clone(&backend_channel),
+            workers.clone(),
         );
         let services = admin::Services {
             status: Arc::clone(&status),

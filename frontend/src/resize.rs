@@ -12,6 +12,7 @@ use crate::admin::Resize;
 use crate::backend_channel::BackendChannel;
 use crate::config::DiskConfig;
 use crate::image::Image;
+use crate::worker::{Command, Workers};
 use blkplane_chain::ImageFormat;
 
 /// Resizes the disk served by this frontend.
@@ -19,15 +20,57 @@ pub struct DiskResizer {
     disk: Arc<DiskConfig>,
     image: Arc<Image>,
     channel: Arc<BackendChannel>,
+    /// The workers, whose iothread grows a qcow2 image (it owns the metadata).
+    workers: Workers,
 }
 
 impl DiskResizer {
-    /// A resizer for `disk` backed by `image`, notifying through `channel`.
-    pub fn new(disk: Arc<DiskConfig>, image: Arc<Image>, channel: Arc<BackendChannel>) -> Self {
+    /// A resizer for `disk` backed by `image`, notifying through `channel`; a qcow2 image is
+    /// grown by the iothread behind `workers`.
+    pub fn new(
+        disk: Arc<DiskConfig>,
+        image: Arc<Image>,
+        channel: Arc<BackendChannel>,
+        workers: Workers,
+    ) -> Self {
         Self {
             disk,
             image,
             channel,
+            workers,
+        }
+    }
+
+    /// Has every iothread grow the qcow2 image (a qcow2 disk has one).
+    fn grow_qcow2(&self, new_size: u64) -> Result<(), String> {
+        for worker in self.workers.iter() {
+            worker
+                .call(|reply| Command::GrowImage {
+                    size: new_size,
+                    reply,
+                })
+                .map_err(|e| format!("growing the qcow2 image: {e}"))?
+                .map_err(|e| format!("growing the qcow2 image to {new_size} bytes: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+impl DiskResizer {
+    /// Raises the capacity the guest reads and tells the VMM.
+    fn announce(&self, new_size: u64) -> ResizeDone {
+        self.disk.set_capacity_bytes(new_size);
+        let guest_notified = match self.channel.config_changed() {
+            Ok(sent) => sent,
+            Err(e) => {
+                warn!("resize: CONFIG_CHANGE_MSG: {e}");
+                false
+            }
+        };
+        info!("resized to {new_size} bytes (guest notified: {guest_notified})");
+        ResizeDone {
+            capacity_bytes: self.disk.capacity_bytes(),
+            guest_notified,
         }
     }
 }
@@ -47,12 +90,17 @@ impl Resize for DiskResizer {
             ));
         }
         let file = match self.image.as_ref() {
-            Image::File(file) if file.format == ImageFormat::Qcow2 => {
-                return Err("resizing a qcow2 image is not supported yet".into())
-            }
-            Image::File(file) => &file.buffered,
+            Image::File(file) => file,
             Image::Null { .. } => return Err("a null image cannot be resized".into()),
         };
+        if file.format == ImageFormat::Qcow2 {
+            // The virtual size is in the header: the file grows with allocations.
+            if new_size > current {
+                self.grow_qcow2(new_size)?;
+            }
+            return Ok(self.announce(new_size));
+        }
+        let file = &file.buffered;
         let metadata = file.metadata().map_err(|e| format!("image: {e}"))?;
         if metadata.file_type().is_block_device() {
             // A block device cannot be grown from here; it must already be large enough.
@@ -68,19 +116,7 @@ impl Resize for DiskResizer {
             file.set_len(new_size)
                 .map_err(|e| format!("growing the image to {new_size} bytes: {e}"))?;
         }
-        self.disk.set_capacity_bytes(new_size);
-        let guest_notified = match self.channel.config_changed() {
-            Ok(sent) => sent,
-            Err(e) => {
-                warn!("resize: CONFIG_CHANGE_MSG: {e}");
-                false
-            }
-        };
-        info!("resized to {new_size} bytes (guest notified: {guest_notified})");
-        Ok(ResizeDone {
-            capacity_bytes: self.disk.capacity_bytes(),
-            guest_notified,
-        })
+        Ok(self.announce(new_size))
     }
 
     fn capacity_bytes(&self) -> u64 {

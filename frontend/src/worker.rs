@@ -120,6 +120,13 @@ pub enum Command {
         /// Acknowledgement.
         reply: Sender<()>,
     },
+    /// Grow a qcow2 image's virtual size: the iothread owns its metadata (ResizeDisk).
+    GrowImage {
+        /// The new virtual size in bytes.
+        size: u64,
+        /// Whether the iothread grew it.
+        reply: Sender<Result<(), String>>,
+    },
     /// Replace the I/O limits (`None`: none). Requests waiting for the old ones are judged by
     /// the new ones at once.
     SetThrottle {
@@ -548,6 +555,10 @@ impl Worker {
                 let waited = u64::from(self.core.in_flight());
                 self.wait_until(|core| core.in_flight() == 0);
                 let _ = reply.send(waited);
+            }
+            Command::GrowImage { size, reply } => {
+                let result = self.link.grow_image(size).map_err(|e| e.to_string());
+                let _ = reply.send(result);
             }
             Command::SetThrottle { throttle, reply } => {
                 self.core.set_throttle(throttle, monotonic_ns());

@@ -989,6 +989,7 @@ impl Core {
                 ControlReply(libc::EINVAL)
             }
             ControlRequest::StartQueue(spec) => self.start_queue(spec, files),
+            ControlRequest::GrowImage { size } => self.grow_image(size),
             ControlRequest::StopQueue { queue } => {
                 self.vrings.stop(queue);
                 ControlReply::OK

@@ -182,6 +182,13 @@ impl Image {
         self.qcow2.as_ref()
     }
 
+    /// Takes a qcow2 image's new virtual size (after [`Qcow2Image::grow`]).
+    pub fn set_qcow2_size(&mut self, size: u64) {
+        if self.qcow2.is_some() {
+            self.size = size;
+        }
+    }
+
     /// The qcow2 chain, mutably (discards change mappings).
     pub fn qcow2_chain_mut(&mut self) -> Option<&mut Qcow2Image> {
         self.qcow2.as_mut()

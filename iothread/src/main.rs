@@ -276,6 +276,7 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
             ControlRequest::StopQueue { .. } => return Err(SetupError::NotSetup("StopQueue")),
             ControlRequest::SetCall { .. } => return Err(SetupError::NotSetup("SetCall")),
             ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
+            ControlRequest::GrowImage { .. } => return Err(SetupError::NotSetup("GrowImage")),
         };
     if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE) != 0 {
         return Err(SetupError::UnknownFlags(flags));

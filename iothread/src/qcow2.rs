@@ -456,6 +456,20 @@ impl Qcow2Image {
         self.write_back()
     }
 
+    /// Grows the virtual size to `size` (the new range reads as zeros; nothing is
+    /// preallocated), then writes the metadata back. Shrinking is refused.
+    pub fn grow(&mut self, size: u64) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
+        }
+        if size < self.top.size() {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        self.top
+            .resize_grow(size, imago::format::PreallocateMode::None)?;
+        self.write_back()
+    }
+
     /// Writes every cached metadata change back to the image file (not synced).
     pub fn flush_metadata(&self) -> io::Result<()> {
         self.write_back()

@@ -12,6 +12,7 @@
 //! | `StopQueue` | tag 5: u32, queue: u32 | — |
 //! | `SetCall` | tag 6: u32, queue: u32, has_call: u32 | the call eventfd when has_call is 1 |
 //! | `SetDirtyLog` | tag 7: u32, present: u32, size: u64, offset: u64 | the log's memfd when present is 1 |
+//! | `GrowImage` | tag 8: u32, size: u64 | — |
 //! | reply | tag 0x80: u32, errno: i32 (0 = success) | — |
 //!
 //! `Setup` byte by byte (32 bytes):
@@ -45,6 +46,11 @@
 //! once the queue's requests are done), `SetCall` replaces or removes its call eventfd, and
 //! `SetDirtyLog` starts (a memfd, the bitmap's `size` bytes at `offset`) or stops marking
 //! what the iothread writes into guest memory in a live migration's dirty log.
+//!
+//! `GrowImage` grows a qcow2 image's virtual size (ResizeDisk): the iothread owns the image's
+//! metadata, so it is the one to write the larger L1 table and header; the frontend raises
+//! the capacity the guest sees only once it is answered. A raw image is grown by the
+//! frontend itself, and its iothreads refuse the message.
 
 use std::fs::File;
 use std::io;
@@ -74,6 +80,7 @@ const TAG_START_QUEUE: u32 = 4;
 const TAG_STOP_QUEUE: u32 = 5;
 const TAG_SET_CALL: u32 = 6;
 const TAG_SET_DIRTY_LOG: u32 = 7;
+const TAG_GROW_IMAGE: u32 = 8;
 
 /// `StartQueue` flag: `VIRTIO_RING_F_EVENT_IDX` was negotiated (interrupts are suppressed
 /// through `used_event`, not the avail ring's flags).
@@ -201,6 +208,11 @@ pub enum ControlRequest {
     },
     /// Start (`Some`: the log's memfd travels with the message) or stop marking the dirty log.
     SetDirtyLog(Option<DirtyLogSpec>),
+    /// Grow a qcow2 image's virtual size to `size` bytes.
+    GrowImage {
+        /// The new virtual size.
+        size: u64,
+    },
 }
 
 impl ControlRequest {
@@ -226,7 +238,7 @@ impl ControlRequest {
                     .saturating_add(image_fds)
             }
             Self::SetMemoryTable(regions) => regions.len(),
-            Self::Shutdown | Self::StopQueue { .. } => 0,
+            Self::Shutdown | Self::StopQueue { .. } | Self::GrowImage { .. } => 0,
             Self::StartQueue(spec) if spec.flags & QUEUE_FLAG_CALL != 0 => 2,
             Self::StartQueue(_) => 1,
             Self::SetCall { has_call, .. } => usize::from(*has_call),
@@ -296,6 +308,10 @@ impl ControlRequest {
                 out.extend_from_slice(&size.to_le_bytes());
                 out.extend_from_slice(&offset.to_le_bytes());
             }
+            Self::GrowImage { size } => {
+                out.extend_from_slice(&TAG_GROW_IMAGE.to_le_bytes());
+                out.extend_from_slice(&size.to_le_bytes());
+            }
         }
         out
     }
@@ -355,6 +371,9 @@ impl ControlRequest {
                 };
                 Self::SetDirtyLog(present.then_some(spec))
             }
+            TAG_GROW_IMAGE => Self::GrowImage {
+                size: reader.u64()?,
+            },
             _ => return Err(ControlError::Malformed("unknown tag")),
         };
         if !reader.0.is_empty() {
@@ -587,6 +606,7 @@ mod tests {
                 inflight_offset: 4096,
             }),
             ControlRequest::StopQueue { queue: 2 },
+            ControlRequest::GrowImage { size: 3 << 40 },
             ControlRequest::SetCall {
                 queue: 1,
                 has_call: true,

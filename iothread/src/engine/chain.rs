@@ -19,8 +19,9 @@
 use std::io;
 use std::os::fd::RawFd;
 
+use blkplane_proto::control::ControlReply;
 use blkplane_proto::ring::Opcode;
-use log::warn;
+use log::{info, warn};
 
 use super::{Core, EngineError, Token};
 use crate::qcow2::Extent;
@@ -181,6 +182,26 @@ impl Core {
             };
             if step != Step::Issue(Stage::Range) {
                 return self.apply(slot, step);
+            }
+        }
+    }
+
+    /// Grows a qcow2 image's virtual size (the frontend's ResizeDisk); requests in flight are
+    /// unaffected: their clusters stay where they are. A raw image is grown by the frontend.
+    pub(super) fn grow_image(&mut self, size: u64) -> ControlReply {
+        let Some(chain) = self.image.qcow2_chain_mut() else {
+            warn!("refusing GrowImage: a raw image is grown by the frontend");
+            return ControlReply(libc::EINVAL);
+        };
+        match chain.grow(size) {
+            Ok(()) => {
+                info!("qcow2 image grown to {size} bytes");
+                self.image.set_qcow2_size(size);
+                ControlReply::OK
+            }
+            Err(e) => {
+                warn!("growing the qcow2 image to {size} bytes: {e}");
+                ControlReply(errno_of(&e))
             }
         }
     }
