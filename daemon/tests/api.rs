@@ -7,6 +7,7 @@
 //! tests run the real `blkplane-frontend`, built by the e2e harness (`blkplane_tests`). The
 //! TLS test makes its certificates with the `openssl` command (`blkplane_tests::tls`).
 
+use blkplane_tests::qemu_img::qemu_img;
 use blkplane_tests::tls::{free_port, make_test_certs, server_options};
 use blkplane_tests::TempDir;
 use std::path::{Path, PathBuf};
@@ -1472,15 +1473,6 @@ async fn frontend_takes_the_limits() {
 
 use blkplane_daemon::pb::ImageFormat;
 use blkplane_daemon::state::Format;
-
-/// `qemu-img ARGS`.
-fn qemu_img(args: &[&str]) {
-    let out = Command::new("qemu-img")
-        .args(args)
-        .output()
-        .expect("running qemu-img");
-    assert!(out.status.success(), "qemu-img {args:?}: {out:?}");
-}
 
 /// blkplanectl on the node's control socket.
 fn ctl(node: &Node, args: &[&str]) -> std::process::Output {

@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, QueueSpec, QUEUE_FLAG_CALL,
+    self, ControlError, ControlReply, ControlRequest, QueueSpec, SetupSpec, QUEUE_FLAG_CALL,
     SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::dirty_log::DirtyLog;
@@ -215,14 +215,14 @@ impl IothreadLink {
             }
             Image::Null { size } => (SETUP_FLAG_NULL_IMAGE, *size),
         };
-        let request = ControlRequest::Setup {
+        let request = ControlRequest::Setup(SetupSpec {
             flags,
             logical_block_size: self.block_size,
             image_size,
             poll_max_us: self.poll_max_us,
             backing_files,
             qcow2_layers,
-        };
+        });
         self.call(&request, &fds)?;
         self.set_memory(memory)
     }

@@ -984,7 +984,7 @@ impl Core {
                 self.held = Some((request, files));
                 return Ok(());
             }
-            ControlRequest::Setup { .. } => {
+            ControlRequest::Setup(_) => {
                 warn!("refusing a second Setup");
                 ControlReply(libc::EINVAL)
             }

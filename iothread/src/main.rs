@@ -18,8 +18,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, MAX_BACKING_FILES, MAX_POLL_MAX_US,
-    SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
+    self, ControlError, ControlReply, ControlRequest, SetupSpec, MAX_BACKING_FILES,
+    MAX_POLL_MAX_US, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
@@ -251,33 +251,23 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         Err(ControlError::Closed) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let (flags, logical_block_size, image_size, poll_max_us, backing_files, qcow2_layers) =
-        match request {
-            ControlRequest::Setup {
-                flags,
-                logical_block_size,
-                image_size,
-                poll_max_us,
-                backing_files,
-                qcow2_layers,
-            } => (
-                flags,
-                logical_block_size,
-                image_size,
-                poll_max_us,
-                backing_files,
-                qcow2_layers,
-            ),
-            ControlRequest::SetMemoryTable(_) => {
-                return Err(SetupError::NotSetup("SetMemoryTable"))
-            }
-            ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
-            ControlRequest::StartQueue(_) => return Err(SetupError::NotSetup("StartQueue")),
-            ControlRequest::StopQueue { .. } => return Err(SetupError::NotSetup("StopQueue")),
-            ControlRequest::SetCall { .. } => return Err(SetupError::NotSetup("SetCall")),
-            ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
-            ControlRequest::GrowImage { .. } => return Err(SetupError::NotSetup("GrowImage")),
-        };
+    let SetupSpec {
+        flags,
+        logical_block_size,
+        image_size,
+        poll_max_us,
+        backing_files,
+        qcow2_layers,
+    } = match request {
+        ControlRequest::Setup(spec) => spec,
+        ControlRequest::SetMemoryTable(_) => return Err(SetupError::NotSetup("SetMemoryTable")),
+        ControlRequest::Shutdown => return Err(SetupError::NotSetup("Shutdown")),
+        ControlRequest::StartQueue(_) => return Err(SetupError::NotSetup("StartQueue")),
+        ControlRequest::StopQueue { .. } => return Err(SetupError::NotSetup("StopQueue")),
+        ControlRequest::SetCall { .. } => return Err(SetupError::NotSetup("SetCall")),
+        ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
+        ControlRequest::GrowImage { .. } => return Err(SetupError::NotSetup("GrowImage")),
+    };
     if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE) != 0 {
         return Err(SetupError::UnknownFlags(flags));
     }

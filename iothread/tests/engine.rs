@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use blkplane_proto::control::{
-    self, ControlError, ControlReply, ControlRequest, MemoryRegionSpec, MAX_POLL_MAX_US,
+    self, ControlError, ControlReply, ControlRequest, MemoryRegionSpec, SetupSpec, MAX_POLL_MAX_US,
     SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{
@@ -259,14 +259,14 @@ impl Frontend {
         if let Some((file, _)) = &direct {
             fds.push(file.as_raw_fd());
         }
-        let setup = ControlRequest::Setup {
+        let setup = ControlRequest::Setup(SetupSpec {
             flags,
             logical_block_size,
             image_size: options.null_image.unwrap_or(0),
             poll_max_us: options.poll_max_us,
             backing_files: 0,
             qcow2_layers: 0,
-        };
+        });
         frontend.request(&setup, &fds)?;
         Ok(frontend)
     }
@@ -994,14 +994,14 @@ fn a_bad_setup_is_refused() {
             fe.complete_eventfd.as_raw_fd(),
             fe.image.file.as_raw_fd(),
         ];
-        let setup = ControlRequest::Setup {
+        let setup = ControlRequest::Setup(SetupSpec {
             flags: 0,
             logical_block_size: 512,
             image_size: 0,
             poll_max_us: 0,
             backing_files: 0,
             qcow2_layers: 0,
-        };
+        });
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
             other => panic!("sealed {sealed}: {other:?}"),
@@ -1031,26 +1031,26 @@ fn assert_setup_refused(setup: ControlRequest) {
 
 #[test]
 fn unknown_setup_flags_are_refused() {
-    assert_setup_refused(ControlRequest::Setup {
+    assert_setup_refused(ControlRequest::Setup(SetupSpec {
         flags: 0x100,
         logical_block_size: 512,
         image_size: 0,
         poll_max_us: 0,
         backing_files: 0,
         qcow2_layers: 0,
-    });
+    }));
 }
 
 #[test]
 fn a_polling_bound_beyond_the_largest_is_refused() {
-    assert_setup_refused(ControlRequest::Setup {
+    assert_setup_refused(ControlRequest::Setup(SetupSpec {
         flags: 0,
         logical_block_size: 512,
         image_size: 0,
         poll_max_us: MAX_POLL_MAX_US + 1,
         backing_files: 0,
         qcow2_layers: 0,
-    });
+    }));
 }
 
 /// With polling on, requests that come one after another (each published while the engine
@@ -1217,14 +1217,14 @@ fn bad_null_image_setups_are_refused() {
         if with_image_fd {
             fds.push(fe.image.file.as_raw_fd());
         }
-        let setup = ControlRequest::Setup {
+        let setup = ControlRequest::Setup(SetupSpec {
             flags,
             logical_block_size: 512,
             image_size,
             poll_max_us: 0,
             backing_files: 0,
             qcow2_layers: 0,
-        };
+        });
         match fe.request(&setup, &fds) {
             Err(ControlError::Refused(e)) => {
                 assert_eq!(

@@ -168,25 +168,29 @@ pub struct DirtyLogSpec {
     pub offset: u64,
 }
 
+/// What a `Setup` carries besides its fds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SetupSpec {
+    /// `SETUP_FLAG_*` bits.
+    pub flags: u32,
+    /// The image's logical block size; O_DIRECT is used only for buffers aligned to it.
+    pub logical_block_size: u32,
+    /// With [`SETUP_FLAG_NULL_IMAGE`], the null image's size in bytes; otherwise 0.
+    pub image_size: u64,
+    /// How long, in µs, the iothread may poll its submission queue before it sleeps with
+    /// nothing at the device (the window adapts below it); 0: never.
+    pub poll_max_us: u32,
+    /// How many backing-file fds follow the image's (a qcow2 image's chain, top first).
+    pub backing_files: u32,
+    /// Bit 0: the image is qcow2; bit *i*: the *i*-th backing file is qcow2 (else raw).
+    pub qcow2_layers: u32,
+}
+
 /// A request from the frontend.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlRequest {
     /// First message after spawn: the ring, eventfds and image.
-    Setup {
-        /// `SETUP_FLAG_*` bits.
-        flags: u32,
-        /// The image's logical block size; O_DIRECT is used only for buffers aligned to it.
-        logical_block_size: u32,
-        /// With [`SETUP_FLAG_NULL_IMAGE`], the null image's size in bytes; otherwise 0.
-        image_size: u64,
-        /// How long, in µs, the iothread may poll its submission queue before it sleeps with
-        /// nothing at the device (the window adapts below it); 0: never.
-        poll_max_us: u32,
-        /// How many backing-file fds follow the image's (a qcow2 image's chain, top first).
-        backing_files: u32,
-        /// Bit 0: the image is qcow2; bit *i*: the *i*-th backing file is qcow2 (else raw).
-        qcow2_layers: u32,
-    },
+    Setup(SetupSpec),
     /// Replaces the whole memory table.
     SetMemoryTable(Vec<MemoryRegionSpec>),
     /// Exit cleanly.
@@ -220,12 +224,12 @@ impl ControlRequest {
     pub fn expected_fds(&self) -> usize {
         match self {
             // A null image has no fds; the iothread refuses DIRECT_FD along with it.
-            Self::Setup { flags, .. } if flags & SETUP_FLAG_NULL_IMAGE != 0 => 3,
-            Self::Setup {
+            Self::Setup(SetupSpec { flags, .. }) if flags & SETUP_FLAG_NULL_IMAGE != 0 => 3,
+            Self::Setup(SetupSpec {
                 flags,
                 backing_files,
                 ..
-            } => {
+            }) => {
                 let image_fds = if flags & SETUP_FLAG_DIRECT_FD != 0 {
                     5
                 } else {
@@ -250,14 +254,14 @@ impl ControlRequest {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(MAX_MESSAGE_SIZE);
         match self {
-            Self::Setup {
+            Self::Setup(SetupSpec {
                 flags,
                 logical_block_size,
                 image_size,
                 poll_max_us,
                 backing_files,
                 qcow2_layers,
-            } => {
+            }) => {
                 out.extend_from_slice(&TAG_SETUP.to_le_bytes());
                 out.extend_from_slice(&flags.to_le_bytes());
                 out.extend_from_slice(&logical_block_size.to_le_bytes());
@@ -320,14 +324,14 @@ impl ControlRequest {
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         let mut reader = Reader(bytes);
         let message = match reader.u32()? {
-            TAG_SETUP => Self::Setup {
+            TAG_SETUP => Self::Setup(SetupSpec {
                 flags: reader.u32()?,
                 logical_block_size: reader.u32()?,
                 image_size: reader.u64()?,
                 poll_max_us: reader.u32()?,
                 backing_files: reader.u32()?,
                 qcow2_layers: reader.u32()?,
-            },
+            }),
             TAG_SET_MEMORY_TABLE => {
                 let count = reader.u32()? as usize;
                 if count > MAX_MEMORY_REGIONS {
@@ -564,22 +568,22 @@ mod tests {
     #[test]
     fn requests_round_trip() {
         for request in [
-            ControlRequest::Setup {
+            ControlRequest::Setup(SetupSpec {
                 flags: SETUP_FLAG_DIRECT_FD,
                 logical_block_size: 512,
                 image_size: 0,
                 poll_max_us: 200,
                 backing_files: 2,
                 qcow2_layers: 0b011,
-            },
-            ControlRequest::Setup {
+            }),
+            ControlRequest::Setup(SetupSpec {
                 flags: SETUP_FLAG_NULL_IMAGE,
                 logical_block_size: 4096,
                 image_size: 8 << 30,
                 poll_max_us: 0,
                 backing_files: 0,
                 qcow2_layers: 0,
-            },
+            }),
             ControlRequest::SetMemoryTable(vec![
                 MemoryRegionSpec {
                     size: 1 << 30,
@@ -696,14 +700,14 @@ mod tests {
 
     #[test]
     fn setup_is_encoded_byte_by_byte_as_documented() {
-        let setup = ControlRequest::Setup {
+        let setup = ControlRequest::Setup(SetupSpec {
             flags: SETUP_FLAG_NULL_IMAGE,
             logical_block_size: 512,
             image_size: 0x0102_0304_0506_0708,
             poll_max_us: 0x0a0b_0c0d,
             backing_files: 0x1112_1314,
             qcow2_layers: 0x2122_2324,
-        };
+        });
         let bytes = setup.encode();
         assert_eq!(bytes.len(), 32);
         assert_eq!(bytes[0..4], 1u32.to_le_bytes());
@@ -724,13 +728,15 @@ mod tests {
 
     #[test]
     fn setup_fd_counts() {
-        let setup = |flags| ControlRequest::Setup {
-            flags,
-            logical_block_size: 512,
-            image_size: 0,
-            poll_max_us: 0,
-            backing_files: 0,
-            qcow2_layers: 0,
+        let setup = |flags| {
+            ControlRequest::Setup(SetupSpec {
+                flags,
+                logical_block_size: 512,
+                image_size: 0,
+                poll_max_us: 0,
+                backing_files: 0,
+                qcow2_layers: 0,
+            })
         };
         assert_eq!(setup(0).expected_fds(), 4);
         assert_eq!(setup(SETUP_FLAG_DIRECT_FD).expected_fds(), 5);
@@ -739,14 +745,14 @@ mod tests {
             setup(SETUP_FLAG_NULL_IMAGE | SETUP_FLAG_DIRECT_FD).expected_fds(),
             3
         );
-        let chain = ControlRequest::Setup {
+        let chain = ControlRequest::Setup(SetupSpec {
             flags: SETUP_FLAG_DIRECT_FD,
             logical_block_size: 512,
             image_size: 0,
             poll_max_us: 0,
             backing_files: 2,
             qcow2_layers: 0b11,
-        };
+        });
         assert_eq!(chain.expected_fds(), 7);
     }
 }

@@ -37,6 +37,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use blkplane_tests::guest::*;
+use blkplane_tests::qemu_img::{assert_check_clean, convert_to_raw, create_overlay};
 use blkplane_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -315,40 +316,13 @@ fn linux_guest_on_qcow2_overlays() {
     boot_guest(true);
 }
 
-/// A qcow2 overlay at `overlay` over the raw file `base` (named relative to it), by qemu-img.
-fn create_overlay(overlay: &Path, base: &Path) -> std::path::PathBuf {
-    let status = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-        .arg(base.file_name().unwrap())
-        .arg(overlay)
-        .status()
-        .unwrap_or_else(|e| panic!("qemu-img: {e}; {SETUP_HINT}"));
-    assert!(
-        status.success(),
-        "qemu-img create {}: {status}",
-        overlay.display()
-    );
-    overlay.to_owned()
-}
-
 /// The guest's view of `image` as a raw file: itself, or a qcow2 image converted by qemu-img.
 fn guest_view(image: &Path, qcow2: bool) -> std::path::PathBuf {
-    if !qcow2 {
-        return image.to_owned();
+    if qcow2 {
+        convert_to_raw(image, &image.with_extension("view"))
+    } else {
+        image.to_owned()
     }
-    let view = image.with_extension("view");
-    let status = Command::new("qemu-img")
-        .args(["convert", "-f", "qcow2", "-O", "raw"])
-        .arg(image)
-        .arg(&view)
-        .status()
-        .unwrap_or_else(|e| panic!("qemu-img: {e}; {SETUP_HINT}"));
-    assert!(
-        status.success(),
-        "qemu-img convert {}: {status}",
-        image.display()
-    );
-    view
 }
 
 /// Boots the guest on raw images, or (`qcow2`) on qcow2 overlays of raw bases, and checks.
@@ -369,8 +343,8 @@ fn boot_guest(qcow2: bool) {
             (ro_base.clone(), sha256_of(&ro_base)),
         ];
         (
-            create_overlay(&dir.join("rw.qcow2"), &rw_base),
-            create_overlay(&dir.join("ro.qcow2"), &ro_base),
+            create_overlay(&dir.join("rw.qcow2"), "rw-base.raw", "raw", ""),
+            create_overlay(&dir.join("ro.qcow2"), "ro-base.raw", "raw", ""),
             bases,
         )
     } else {
@@ -575,25 +549,11 @@ fn boot_guest(qcow2: bool) {
     let mut host_checks: Vec<String> = Vec::new();
     if outcome.is_ok() && qcow2 {
         // The crash phases may leak clusters (as QEMU's crashes do); nothing worse.
-        match Command::new("qemu-img")
-            .arg("check")
-            .arg(&rw_image)
-            .output()
-        {
-            Ok(out) if matches!(out.status.code(), Some(0 | 3)) => host_checks.push(format!(
-                "qemu-img check on the rw overlay: {}",
-                String::from_utf8_lossy(&out.stdout)
-                    .trim()
-                    .replace('\n', "; ")
-            )),
-            Ok(out) => problems.push(format!(
-                "host: qemu-img check on the rw overlay ({}):\n{}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )),
-            Err(e) => problems.push(format!("host: qemu-img: {e}; {SETUP_HINT}")),
-        }
+        let report = assert_check_clean(&rw_image, true);
+        host_checks.push(format!(
+            "qemu-img check on the rw overlay: {}",
+            report.trim().replace('\n', "; ")
+        ));
         for (base, sha) in &bases {
             if sha256_of(base) == *sha {
                 host_checks.push(format!("base {} unchanged", base.display()));

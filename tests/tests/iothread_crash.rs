@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use blkplane_tests::client::errno_name;
 use blkplane_tests::frontend::{iothread_pids, kill_iothread};
-use blkplane_tests::tools::{output_within, run_tool, text};
+use blkplane_tests::qemu_img::{assert_check_clean, convert_to_raw, create_qcow2};
 use blkplane_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -50,21 +50,7 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
     let per_queue = size / queues as u64;
     let chunks = (per_queue / CHUNK as u64) as usize;
     let img = if qcow2 {
-        let img = dir.join("disk.qcow2");
-        run_tool(
-            std::process::Command::new("qemu-img").args([
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-o",
-                "cluster_size=4096",
-                img.to_str().unwrap(),
-                &size.to_string(),
-            ]),
-            "qemu-img create",
-        );
-        img
+        create_qcow2(&dir.join("disk.qcow2"), "cluster_size=4096", size)
     } else {
         create_image(&dir.join("disk.img"), size)
     };
@@ -216,29 +202,9 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
     let file = if qcow2 {
         // Leaked clusters (allocated by a killed iothread, never mapped) are what QEMU accepts
         // after a crash too; anything else is corruption.
-        let out = output_within(
-            std::process::Command::new("qemu-img").args(["check", img.to_str().unwrap()]),
-            Duration::from_secs(60),
-        );
-        assert!(
-            matches!(out.status.code(), Some(0 | 3)),
-            "qemu-img check after the kills: {:?}\n{}",
-            out.status.code(),
-            text(&out)
-        );
-        println!("qemu-img check after the kills: {}", text(&out).trim());
-        let raw = dir.join("guest-view.raw");
-        run_tool(
-            std::process::Command::new("qemu-img").args([
-                "convert",
-                "-O",
-                "raw",
-                img.to_str().unwrap(),
-                raw.to_str().unwrap(),
-            ]),
-            "qemu-img convert",
-        );
-        read_file(&raw)
+        let report = assert_check_clean(&img, true);
+        println!("qemu-img check after the kills: {}", report.trim());
+        read_file(&convert_to_raw(&img, &dir.join("guest-view.raw")))
     } else {
         read_file(&img)
     };

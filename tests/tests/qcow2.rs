@@ -5,10 +5,11 @@
 //! writes into a raw mirror, then `qemu-img check` must find no corruption and `qemu-img
 //! compare` no difference between the qcow2 image's guest view and the mirror.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use blkplane_tests::client::errno_name;
+use blkplane_tests::qemu_img::{assert_check_clean, create_overlay, create_qcow2, qemu_img};
 use blkplane_tests::tools::{output_within, run_tool, text};
 use blkplane_tests::*;
 
@@ -19,41 +20,6 @@ const DISK: u64 = 64 * MIB;
 #[track_caller]
 fn ok<T>(what: &str, r: Result<T, i32>) -> T {
     r.unwrap_or_else(|e| panic!("{what}: {}", errno_name(e)))
-}
-
-fn qemu_img(args: &[&str]) -> String {
-    run_tool(
-        Command::new("qemu-img").args(args),
-        &format!("qemu-img {args:?}"),
-    )
-}
-
-fn create_qcow2(path: &Path, options: &str, size: u64) -> PathBuf {
-    let size = size.to_string();
-    let mut args = vec!["create", "-q", "-f", "qcow2"];
-    if !options.is_empty() {
-        args.extend(["-o", options]);
-    }
-    args.extend([path.to_str().unwrap(), size.as_str()]);
-    qemu_img(&args);
-    path.to_owned()
-}
-
-/// `qemu-img check`: no corruption (exit 0, or 3 for leaked clusters only, which QEMU accepts
-/// after a crash).
-fn assert_check_clean(image: &Path, allow_leaks: bool) {
-    let out = output_within(
-        Command::new("qemu-img").args(["check", image.to_str().unwrap()]),
-        std::time::Duration::from_secs(60),
-    );
-    let code = out.status.code();
-    assert!(
-        code == Some(0) || (allow_leaks && code == Some(3)),
-        "qemu-img check {}: {:?}\n{}",
-        image.display(),
-        code,
-        text(&out)
-    );
 }
 
 /// `qemu-img compare` of the qcow2 image's guest view with a raw mirror: identical.
@@ -121,6 +87,19 @@ impl Mirrored<'_> {
         );
         let want = read_file_at_mirror(&self.mirror, offset, len);
         assert_same_data(what, &got, &want);
+    }
+}
+
+/// Reads the whole disk, a MiB at a time, and compares it with the raw file `want`.
+fn assert_disk_reads_as(queue: &mut IoQueue, want: &Path, what: &str) {
+    let want = read_file(want);
+    for offset in (0..DISK).step_by(MIB as usize) {
+        let got = ok("read", queue.read_at(offset, MIB as usize));
+        assert_same_data(
+            &format!("{what}: the MiB at {offset}"),
+            &got,
+            &want[offset as usize..(offset + MIB) as usize],
+        );
     }
 }
 
@@ -230,15 +209,7 @@ fn compressed_clusters_are_read_and_rewritten() {
     let fe = Frontend::start(&image, &[]);
     let mut c = Client::connect(fe.socket()).unwrap();
     let q = c.queue(0);
-    let want = read_file(&raw);
-    for offset in (0..DISK).step_by(MIB as usize) {
-        let got = ok("read", q.read_at(offset, MIB as usize));
-        assert_same_data(
-            &format!("compressed MiB at {offset}"),
-            &got,
-            &want[offset as usize..(offset + MIB) as usize],
-        );
-    }
+    assert_disk_reads_as(q, &raw, "compressed");
     // Writes into compressed clusters copy the rest of the cluster out of its compressed form.
     exercise(q, &raw, 64 * KIB, 23, true);
     drop(c);
@@ -255,17 +226,7 @@ fn a_chain_of_three_serves_the_merged_view_and_writes_only_the_top() {
     let mid = dir.join("mid.qcow2");
     let top = dir.join("top.qcow2");
     // Relative names, as operators keep thin clones next to their golden image.
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        mid.to_str().unwrap(),
-    ]);
+    create_overlay(&mid, "base.raw", "raw", "");
     let io = |image: &Path, cmd: &str| {
         run_tool(
             Command::new("qemu-io").args(["-f", "qcow2", "-c", cmd, image.to_str().unwrap()]),
@@ -274,19 +235,7 @@ fn a_chain_of_three_serves_the_merged_view_and_writes_only_the_top() {
     };
     io(&mid, "write -P 0x5a 1M 3M");
     io(&mid, "write -z 8M 1M");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "cluster_size=4096",
-        "-b",
-        "mid.qcow2",
-        "-F",
-        "qcow2",
-        top.to_str().unwrap(),
-    ]);
+    create_overlay(&top, "mid.qcow2", "qcow2", "cluster_size=4096");
     io(&top, "write -P 0xc3 2M 64k");
     let merged = dir.join("merged.raw");
     qemu_img(&[
@@ -303,15 +252,7 @@ fn a_chain_of_three_serves_the_merged_view_and_writes_only_the_top() {
     let fe = Frontend::start(&top, &[]);
     let mut c = Client::connect(fe.socket()).unwrap();
     let q = c.queue(0);
-    let want = read_file(&merged);
-    for offset in (0..DISK).step_by(MIB as usize) {
-        let got = ok("read", q.read_at(offset, MIB as usize));
-        assert_same_data(
-            &format!("merged view of the MiB at {offset}"),
-            &got,
-            &want[offset as usize..(offset + MIB) as usize],
-        );
-    }
+    assert_disk_reads_as(q, &merged, "merged view");
     // Writes over every layer: base data, mid's data, mid's zeros, top's data.
     exercise(q, &merged, 4 * KIB, 31, true);
     drop(c);
@@ -344,17 +285,7 @@ fn images_and_chains_that_cannot_be_served_are_refused_at_start() {
     let a = dir.join("a.qcow2");
     let b = dir.join("b.qcow2");
     create_qcow2(&b, "", DISK);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "b.qcow2",
-        "-F",
-        "qcow2",
-        a.to_str().unwrap(),
-    ]);
+    create_overlay(&a, "b.qcow2", "qcow2", "");
     qemu_img(&[
         "rebase",
         "-q",
@@ -418,30 +349,10 @@ fn images_and_chains_that_cannot_be_served_are_refused_at_start() {
     std::fs::create_dir(&allowed).unwrap();
     create_image(&dir.join("secret.raw"), DISK);
     let climbing = allowed.join("climbing.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "../secret.raw",
-        "-F",
-        "raw",
-        climbing.to_str().unwrap(),
-    ]);
+    create_overlay(&climbing, "../secret.raw", "raw", "");
     std::os::unix::fs::symlink(dir.join("secret.raw"), allowed.join("link.raw")).unwrap();
     let linked = allowed.join("linked.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "link.raw",
-        "-F",
-        "raw",
-        linked.to_str().unwrap(),
-    ]);
+    create_overlay(&linked, "link.raw", "raw", "");
     let dir_arg = ["--image-dir", allowed.to_str().unwrap()];
     refuse(
         &climbing,
@@ -457,34 +368,19 @@ fn images_and_chains_that_cannot_be_served_are_refused_at_start() {
     );
     let inside = allowed.join("inside.qcow2");
     create_image(&allowed.join("base.raw"), DISK);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        inside.to_str().unwrap(),
-    ]);
+    create_overlay(&inside, "base.raw", "raw", "");
     Frontend::start(&inside, &dir_arg).finish();
     // A chain deeper than 16 backing files.
     let mut below = create_image(&dir.join("deep0.raw"), MIB);
     let mut format = "raw";
     for i in 1..=17 {
         let next = dir.join(&format!("deep{i}.qcow2"));
-        qemu_img(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
+        create_overlay(
+            &next,
             below.file_name().unwrap().to_str().unwrap(),
-            "-F",
             format,
-            next.to_str().unwrap(),
-        ]);
+            "",
+        );
         below = next;
         format = "qcow2";
     }
