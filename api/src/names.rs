@@ -50,6 +50,7 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::BothServing => "both_serving",
         EventKind::IothreadRestarted => "iothread_restarted",
         EventKind::ThrottleChanged => "throttle_changed",
+        EventKind::Snapshot => "snapshot",
     }
 }
 

@@ -311,6 +311,70 @@ pub fn open(file: &File, path: &Path, image_dirs: &[PathBuf]) -> Result<Chain, C
     Ok(Chain { size, backing })
 }
 
+/// Why an overlay could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// The file could not be created (it exists, the directory is missing...).
+    #[error("creating {path}: {source}")]
+    Create {
+        /// The overlay.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// imago could not format it.
+    #[error("formatting {path} as qcow2: {source}")]
+    Format {
+        /// The overlay.
+        path: PathBuf,
+        /// imago's reason.
+        source: io::Error,
+    },
+}
+
+/// Creates a new qcow2 image at `path` (which must not exist; 0600, the caller hands it to the
+/// disk's owner) of virtual size `size`, whose backing file is `backing` (stored as given, so an
+/// absolute path stays valid wherever the overlay moves) in `backing_format`: an external
+/// snapshot's overlay. Nothing is left at `path` if formatting fails.
+pub fn create_overlay(
+    path: &Path,
+    backing: &Path,
+    backing_format: ImageFormat,
+    size: u64,
+) -> Result<(), CreateError> {
+    use imago::FormatCreateBuilder;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|source| CreateError::Create {
+            path: path.to_owned(),
+            source,
+        })?;
+    let format_error = |source| CreateError::Format {
+        path: path.to_owned(),
+        source,
+    };
+    let formatted = ImagoFile::from_open_file(file, StorageOpenOptions::new().write(true))
+        .and_then(|storage| {
+            Qcow2::<ImagoFile>::create_builder(storage)
+                .size(size)
+                .backing(
+                    backing.to_string_lossy().into_owned(),
+                    backing_format.name().to_owned(),
+                )
+                .create()
+        });
+    if let Err(e) = formatted {
+        let _ = std::fs::remove_file(path);
+        return Err(format_error(e));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
@@ -351,6 +415,30 @@ mod tests {
             let file = File::open(&path).unwrap();
             assert_eq!(probe(&file, &path).unwrap(), format, "{bytes:?}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_overlay_names_its_backing_file_and_takes_its_size() {
+        let dir = std::env::temp_dir().join(format!("blkplane-overlay-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = dir.join("base.raw");
+        std::fs::write(&base, vec![7u8; 1 << 20]).unwrap();
+        let overlay = dir.join("snap.qcow2");
+        create_overlay(&overlay, &base, ImageFormat::Raw, 1 << 20).unwrap();
+        let file = File::open(&overlay).unwrap();
+        assert_eq!(probe(&file, &overlay).unwrap(), ImageFormat::Qcow2);
+        let chain = open(&file, &overlay, &[]).unwrap();
+        assert_eq!(chain.size, 1 << 20);
+        assert_eq!(chain.backing.len(), 1);
+        assert_eq!(chain.backing[0].path, base);
+        assert_eq!(chain.backing[0].format, ImageFormat::Raw);
+        // It exists now: a second one is refused, and the first is left alone.
+        assert!(matches!(
+            create_overlay(&overlay, &base, ImageFormat::Raw, 1 << 20),
+            Err(CreateError::Create { .. })
+        ));
+        assert!(File::open(&overlay).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

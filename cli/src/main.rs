@@ -19,7 +19,7 @@ use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
     GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ImageFormat,
     ListDisksRequest, MigrationStatus, RemoveDiskRequest, RemoveMigrationBlockerRequest,
-    ResizeDiskRequest, ResumeDiskRequest, ThrottleConfig, WatchEventsRequest,
+    ResizeDiskRequest, ResumeDiskRequest, SnapshotRequest, ThrottleConfig, WatchEventsRequest,
 };
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use connect::{ConnectArgs, ConnectError, Target};
@@ -124,6 +124,16 @@ enum DiskCmd {
         /// The new size.
         #[arg(value_parser = text::parse_size)]
         size: u64,
+    },
+    /// Take a live external snapshot: the disk is drained and flushed, a new qcow2 image is
+    /// created at OVERLAY with the current image as its backing file, the disk switches to it
+    /// (its frontend restarts; a VMM with reconnect carries on) and resumes. The previous
+    /// image is only read from then on: copy it as a point-in-time backup.
+    Snapshot {
+        /// The disk.
+        id: String,
+        /// Absolute path of the qcow2 overlay to create (must not exist).
+        overlay: String,
     },
     /// Quiesce a disk for a snapshot or backup: the guest's requests wait (none fails), the
     /// requests in flight complete; prints how many it waited for. Lasts until `disk resume`,
@@ -623,6 +633,16 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
                     text::format_bytes(done.capacity_bytes),
                     if done.guest_notified { "yes" } else { "no" }
                 ),
+            }
+        }
+        Cmd::Disk(DiskCmd::Snapshot { id, overlay }) => {
+            let disk = client
+                .snapshot(SnapshotRequest { id, overlay })
+                .await?
+                .into_inner();
+            match format {
+                Format::Json => print_json(&output::disk_json(&disk)),
+                Format::Table => print!("{}", output::disk_detail(&disk)),
             }
         }
         Cmd::Disk(DiskCmd::Drain { id, flush }) => {

@@ -164,6 +164,7 @@ pub fn disk_json(d: &Disk) -> Value {
         "drained": d.drained,
         "migratable": d.migratable,
         "migration_blockers": d.migration_blockers.iter().map(blocker_json).collect::<Vec<_>>(),
+        "backing_chain": d.backing_chain,
         "config": {
             "image": s.image,
             "format": image_format_name(s.format),
@@ -281,6 +282,14 @@ pub fn disk_detail(d: &Disk) -> String {
             match ImageFormat::try_from(s.format) {
                 Ok(ImageFormat::Unspecified) => "probed at each start".into(),
                 _ => image_format_name(s.format).into(),
+            },
+        ),
+        (
+            "backing chain",
+            if d.backing_chain.is_empty() {
+                "-".into()
+            } else {
+                d.backing_chain.join(" -> ")
             },
         ),
         (

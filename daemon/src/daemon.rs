@@ -35,6 +35,7 @@ use blkplane_api::names::state_name;
 
 mod blockers;
 mod limits;
+mod snapshot;
 mod startup;
 mod takeover;
 /// How blkplaned is set up.
@@ -515,6 +516,7 @@ impl Daemon {
             migratable: blockers.is_empty(),
             migration_blockers: blockers,
             throttle: Some(self.throttle_config(disk)),
+            backing_chain: backing_chain(&disk.config(), &self.ctx.image_dirs),
         }
     }
 
@@ -728,6 +730,26 @@ impl Daemon {
 
 /// A failed admin call on behalf of an API call: the frontend's refusal is a precondition
 /// (FAILED_PRECONDITION), anything else means it did not answer (UNAVAILABLE).
+/// A qcow2 disk's backing files as its headers name them now (resolved), for the API; empty
+/// for a raw image, or when the chain cannot be read (the frontend's start reports why).
+fn backing_chain(spec: &DiskSpec, image_dirs: &[PathBuf]) -> Vec<String> {
+    if spec.format != Some(crate::state::Format::Qcow2) {
+        return Vec::new();
+    }
+    let Ok(file) = std::fs::File::open(&spec.image) else {
+        return Vec::new();
+    };
+    blkplane_chain::open(&file, &spec.image, image_dirs)
+        .map(|chain| {
+            chain
+                .backing
+                .iter()
+                .map(|b| b.path.to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn frontend_error(id: &str, e: AdminError) -> DaemonError {
     match e {
         AdminError::Refused(reason) => DaemonError::Refused {

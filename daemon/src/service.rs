@@ -15,7 +15,7 @@ use crate::pb::{
     GetDiskRequest, GetStatsRequest, GetStatsResponse, GetThrottleRequest, GetVersionRequest,
     ListDisksRequest, ListDisksResponse, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
     RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse,
-    SetThrottleRequest, ThrottleConfig, VersionInfo, WatchEventsRequest,
+    SetThrottleRequest, SnapshotRequest, ThrottleConfig, VersionInfo, WatchEventsRequest,
 };
 use crate::validate::ValidationError;
 
@@ -126,6 +126,17 @@ impl Control for ControlService {
             .await
             .map_err(|e| logged("ResizeDisk", e))?;
         Ok(Response::new(done))
+    }
+
+    async fn snapshot(&self, request: Request<SnapshotRequest>) -> Result<Response<Disk>, Status> {
+        let req = request.into_inner();
+        info!("Snapshot {:?} to {:?}", req.id, req.overlay);
+        let disk = self
+            .daemon
+            .snapshot(&req.id, &req.overlay)
+            .await
+            .map_err(|e| logged("Snapshot", e))?;
+        Ok(Response::new(disk))
     }
 
     async fn get_stats(

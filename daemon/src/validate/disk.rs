@@ -239,6 +239,55 @@ fn chain_error(e: ChainError) -> ValidationError {
     }
 }
 
+/// Checks a Snapshot's `overlay`: absolute, no `..`, not a directory name, in an existing
+/// directory that is inside one of the allowed image directories (if any are configured),
+/// and nothing there yet. Returns the path.
+pub fn check_overlay(overlay: &str, image_dirs: &[PathBuf]) -> Result<PathBuf, ValidationError> {
+    const F: &str = "overlay";
+    if overlay.is_empty() {
+        return Err(invalid(F, "must not be empty"));
+    }
+    let path = Path::new(overlay);
+    if !path.is_absolute() {
+        return Err(invalid(F, format!("{overlay:?} is not an absolute path")));
+    }
+    if has_parent_component(path) || overlay.ends_with('/') {
+        return Err(invalid(
+            F,
+            format!("{overlay:?} has a '..' component or names a directory"),
+        ));
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(invalid(F, format!("{overlay:?} names no file")));
+    };
+    let real_dir = std::fs::canonicalize(dir)
+        .map_err(|e| invalid(F, format!("the directory of {overlay}: {e}")))?;
+    if !image_dirs.is_empty()
+        && !image_dirs
+            .iter()
+            .any(|d| std::fs::canonicalize(d).is_ok_and(|d| real_dir.starts_with(d)))
+    {
+        return Err(invalid(
+            F,
+            format!(
+                "{overlay} is outside the allowed image directories ({})",
+                image_dirs
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    if std::fs::symlink_metadata(path).is_ok() {
+        return Err(ValidationError::AlreadyExists {
+            field: F,
+            reason: format!("{overlay} exists"),
+        });
+    }
+    Ok(real_dir.join(name))
+}
+
 /// Checks a CPU list: well-formed, and every CPU present on this machine.
 pub fn check_cpu_list(list: &str) -> Result<(), ValidationError> {
     let cpus = proc::parse_cpu_list(list).map_err(|e| invalid("settings.iothread_cpus", e))?;
