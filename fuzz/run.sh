@@ -12,7 +12,7 @@ seconds=${1:-20}
 fuzz=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$fuzz")
 cargo_fuzz_version=0.13.1
-targets=(virtio_blk_request ring_consumer vhost_user_messages inflight_recovery used_rings)
+targets=(virtio_blk_request ring_consumer vhost_user_messages inflight_recovery used_rings qcow2_image)
 
 if ! cargo fuzz --version 2>/dev/null | grep -qx "cargo-fuzz $cargo_fuzz_version"; then
     cargo install cargo-fuzz --version "$cargo_fuzz_version" --locked

@@ -56,7 +56,7 @@ fn device() -> Device {
         binary.display()
     );
     let spec = ImageSpec::parse("null:1M".into()).expect("image spec");
-    let image = Arc::new(Image::open(&spec, false, CacheMode::Writeback).expect("image"));
+    let image = Arc::new(Image::open(&spec, false, CacheMode::Writeback, None).expect("image"));
     let disk = Arc::new(DiskConfig::new(
         image.size(),
         false,
