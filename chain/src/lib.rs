@@ -170,6 +170,59 @@ pub fn probe(file: &File, path: &Path) -> Result<ImageFormat, ChainError> {
     })
 }
 
+/// The header extension type of qcow2's feature name table.
+const FEATURE_NAME_TABLE: u64 = 0x6803_f857;
+/// Bytes of one feature name table entry.
+const FEATURE_NAME_ENTRY: u64 = 48;
+
+/// Reads a big-endian integer of `N` bytes at `offset` of `bytes`.
+fn be<const N: usize>(bytes: &[u8], offset: usize) -> Option<u64> {
+    let field: [u8; N] = bytes.get(offset..offset.checked_add(N)?)?.try_into().ok()?;
+    Some(field.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+}
+
+/// Checks what imago 0.2.6 would panic on when it opens the qcow2 image in `file`, walking the
+/// header extensions as it does: a feature name table whose length leaves a last entry of one
+/// byte (it indexes past it; the `qcow2_image` fuzz target found it). A panic aborts the
+/// process (blkplaned's, the frontend's or the iothread's), so such an image is refused
+/// before imago sees it. Everything else about the header is imago's to judge.
+pub fn check_header(file: &File) -> Result<(), String> {
+    let mut header = [0u8; 104];
+    let read = file.read_at(&mut header, 0).map_err(|e| e.to_string())?;
+    let header = header.get(..read).unwrap_or_default();
+    let (Some(version), Some(cluster_bits)) = (be::<4>(header, 4), be::<4>(header, 20)) else {
+        return Ok(());
+    };
+    if version < 3 || !(9..=21).contains(&cluster_bits) {
+        return Ok(());
+    }
+    let cluster = 1u64 << cluster_bits;
+    let mut offset = be::<4>(header, 100).unwrap_or(cluster);
+    // Each extension takes at least its 8-byte header: the walk ends within the cluster.
+    while offset.saturating_add(8) <= cluster {
+        let mut ext = [0u8; 8];
+        if file.read_exact_at(&mut ext, offset).is_err() {
+            return Ok(());
+        }
+        let (Some(kind), Some(len)) = (be::<4>(&ext, 0), be::<4>(&ext, 4)) else {
+            return Ok(());
+        };
+        if kind == 0 {
+            return Ok(());
+        }
+        if kind == FEATURE_NAME_TABLE && len % FEATURE_NAME_ENTRY == 1 {
+            return Err(format!(
+                "its feature name table is {len} bytes long, not whole {FEATURE_NAME_ENTRY}-byte \
+                 entries"
+            ));
+        }
+        offset = offset
+            .saturating_add(8)
+            .saturating_add(len.div_ceil(8).saturating_mul(8));
+    }
+    Ok(())
+}
+
 /// What a qcow2 header says about the layer below: the backing file's name and, if the header
 /// names it, its format.
 type BackingRef = (String, Option<String>);
@@ -181,6 +234,7 @@ fn read_header(file: &File, path: &Path) -> Result<(u64, Option<BackingRef>), Ch
         path: path.to_owned(),
         source,
     };
+    check_header(file).map_err(|e| qcow2_error(io::Error::new(io::ErrorKind::InvalidData, e)))?;
     let dup = file.try_clone().map_err(qcow2_error)?;
     let storage = ImagoFile::from_open_file(dup, StorageOpenOptions::new().write(false))
         .map_err(qcow2_error)?;
@@ -415,6 +469,33 @@ mod tests {
             let file = File::open(&path).unwrap();
             assert_eq!(probe(&file, &path).unwrap(), format, "{bytes:?}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_feature_name_table_imago_would_index_past_is_refused() {
+        let dir = std::env::temp_dir().join(format!("blkplane-fnt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("fnt");
+        // A v3 header of 112 bytes (64 KiB clusters), then one extension.
+        let with_table = |len: u32| {
+            let mut bytes = vec![0u8; 4096];
+            bytes[..4].copy_from_slice(b"QFI\xfb");
+            bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
+            bytes[20..24].copy_from_slice(&16u32.to_be_bytes());
+            bytes[100..104].copy_from_slice(&112u32.to_be_bytes());
+            bytes[112..116].copy_from_slice(&0x6803_f857u32.to_be_bytes());
+            bytes[116..120].copy_from_slice(&len.to_be_bytes());
+            std::fs::write(&path, &bytes).unwrap();
+            File::open(&path).unwrap()
+        };
+        assert!(check_header(&with_table(48)).is_ok());
+        assert!(check_header(&with_table(96 + 2)).is_ok());
+        assert!(check_header(&with_table(49)).is_err());
+        assert!(check_header(&with_table(1)).is_err());
+        // And the chain open refuses it before imago parses it.
+        let file = with_table(97);
+        assert!(matches!(open(&file, &path, &[]), Err(ChainError::Qcow2 { .. })));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -214,6 +214,9 @@ impl Qcow2Image {
                     FormatAccess::new(Raw::open_image(storage, false).map_err(open_error)?)
                 }
                 LayerFormat::Qcow2 => {
+                    // What imago would panic on is refused before it reads the header.
+                    blkplane_chain::check_header(storage.file())
+                        .map_err(|e| open_error(io::Error::new(io::ErrorKind::InvalidData, e)))?;
                     let mut qcow2 = Qcow2::<ImagoFile>::open_image(storage, layer_writable)
                         .map_err(open_error)?;
                     if qcow2.requires_external_data_file() {
