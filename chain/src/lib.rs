@@ -495,7 +495,10 @@ mod tests {
         assert!(check_header(&with_table(1)).is_err());
         // And the chain open refuses it before imago parses it.
         let file = with_table(97);
-        assert!(matches!(open(&file, &path, &[]), Err(ChainError::Qcow2 { .. })));
+        assert!(matches!(
+            open(&file, &path, &[]),
+            Err(ChainError::Qcow2 { .. })
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1472,6 +1472,7 @@ async fn frontend_takes_the_limits() {
 // Image formats and qcow2 backing chains.
 
 use blkplane_daemon::pb::ImageFormat;
+use blkplane_daemon::pb::SnapshotRequest;
 use blkplane_daemon::state::Format;
 
 /// blkplanectl on the node's control socket.
@@ -1657,4 +1658,161 @@ async fn qcow2_disk_format_chain_and_io() {
         "{:?}",
         blkplane_tests::daemon::cmdline(pid)
     );
+}
+
+/// A live external snapshot (Snapshot, `blkplanectl disk snapshot`): data written before is in
+/// the old image, which is only read from then on; the disk serves the overlay at the same
+/// capacity, a new connection reads the old data through it and writes land in the overlay;
+/// `disk show` has the chain; state.json keeps it across a blkplaned restart; `qemu-img check`
+/// finds the overlay clean and `qemu-img compare` shows the guest view. Refusals leave the
+/// disk on its image: an existing overlay, a relative path, a directory outside
+/// `--image-dir`; and a chain that cannot grow (past 16 backing files) removes the overlay.
+#[tokio::test]
+async fn live_external_snapshot_switches_the_disk_to_an_overlay() {
+    let dir = TempDir::new("snapshot");
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let mut node = Node::start_in(dir, vec!["--image-dir".into(), path_str(&images)]).await;
+    let base = blkplane_tests::create_image(&images.join("base.raw"), 16 * MIB);
+    let added = node
+        .add(AddDiskRequest::with_image("s", path_str(&base)))
+        .await
+        .expect("AddDisk");
+    let socket = PathBuf::from(added.config.unwrap().settings_or_default().vhost_socket);
+    let before = blkplane_tests::pattern(21, 65536);
+    {
+        let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
+        vmm.queue(0).write_at(MIB, &before).expect("write before");
+        vmm.queue(0).flush().expect("flush");
+    }
+
+    // Refused, each leaving the disk as it was.
+    for (overlay, code) in [
+        (path_str(&base), Code::AlreadyExists),
+        ("snap.qcow2".to_string(), Code::InvalidArgument),
+        (
+            "/tmp/outside-images.qcow2".to_string(),
+            Code::InvalidArgument,
+        ),
+        (
+            path_str(&images.join("missing/snap.qcow2")),
+            Code::InvalidArgument,
+        ),
+    ] {
+        let e = node
+            .client
+            .snapshot(SnapshotRequest {
+                id: "s".into(),
+                overlay: overlay.clone(),
+            })
+            .await
+            .expect_err("a bad overlay was taken");
+        assert_eq!(e.code(), code, "{overlay}: {}", e.message());
+        assert!(e.message().starts_with("overlay: "), "{}", e.message());
+    }
+    assert_eq!(
+        node.get("s")
+            .await
+            .config
+            .unwrap()
+            .settings_or_default()
+            .image,
+        path_str(&base)
+    );
+
+    // The snapshot, through blkplanectl.
+    let overlay = images.join("snap1.qcow2");
+    let out = ctl(
+        &node,
+        &["-o", "json", "disk", "snapshot", "s", &path_str(&overlay)],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shown["config"]["image"], path_str(&overlay), "{shown}");
+    assert_eq!(shown["config"]["format"], "qcow2", "{shown}");
+    assert_eq!(shown["backing_chain"][0], path_str(&base), "{shown}");
+    assert_eq!(shown["capacity_bytes"], 16 * MIB, "{shown}");
+    assert_eq!(shown["drained"], false, "{shown}");
+    let base_after_snapshot = std::fs::read(&base).unwrap();
+    {
+        let mut vmm = blkplane_tests::Client::connect(&socket).expect("connect to the overlay");
+        assert_eq!(vmm.capacity(), 16 * MIB);
+        let got = vmm.queue(0).read_at(MIB, 65536).expect("read the old data");
+        blkplane_tests::assert_same_data("data written before the snapshot", &got, &before);
+        let after = blkplane_tests::pattern(22, 8192);
+        vmm.queue(0)
+            .write_at(MIB + 4096, &after)
+            .expect("write after");
+        vmm.queue(0).flush().expect("flush");
+    }
+    assert_eq!(
+        std::fs::read(&base).unwrap(),
+        base_after_snapshot,
+        "the backing file was written after the snapshot"
+    );
+    blkplane_tests::qemu_img::assert_check_clean(&overlay, false);
+    let info = Command::new("qemu-img")
+        .args(["info", "-U", "--output=json", &path_str(&overlay)])
+        .output()
+        .expect("running qemu-img");
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["backing-filename"], path_str(&base), "{info}");
+    assert_eq!(info["virtual-size"], 16 * MIB, "{info}");
+
+    // Persisted: a restarted blkplaned serves the overlay.
+    node.restart().await;
+    let d = node.get("s").await;
+    assert_eq!(
+        d.config.unwrap().settings_or_default().image,
+        path_str(&overlay)
+    );
+    assert_eq!(d.backing_chain, vec![path_str(&base)]);
+
+    // A second snapshot stacks on the first; the text view names the chain.
+    let overlay2 = images.join("snap2.qcow2");
+    let out = ctl(&node, &["disk", "snapshot", "s", &path_str(&overlay2)]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("{} -> {}", path_str(&overlay), path_str(&base))),
+        "{text}"
+    );
+
+    // A disk whose chain is as deep as a chain may be: its snapshot is refused, the overlay
+    // removed, the disk left on its image and serving.
+    let mut below = blkplane_tests::create_image(&images.join("deep0.raw"), MIB);
+    let mut format = "raw";
+    for i in 1..=16 {
+        let next = images.join(format!("deep{i}.qcow2"));
+        let name = below.file_name().unwrap().to_str().unwrap().to_string();
+        blkplane_tests::qemu_img::create_overlay(&next, &name, format, "");
+        below = next;
+        format = "qcow2";
+    }
+    node.add(AddDiskRequest::with_image("deep", path_str(&below)))
+        .await
+        .expect("AddDisk of a 16-deep chain");
+    let refused = images.join("one-too-many.qcow2");
+    let e = node
+        .client
+        .snapshot(SnapshotRequest {
+            id: "deep".into(),
+            overlay: path_str(&refused),
+        })
+        .await
+        .expect_err("a 17-deep chain");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    assert!(!refused.exists(), "the refused overlay was left behind");
+    let d = node.get("deep").await;
+    assert_eq!(
+        d.config.unwrap().settings_or_default().image,
+        path_str(&below)
+    );
+    assert!(
+        d.frontend_pid != 0 && !d.drained,
+        "pid {} drained {}",
+        d.frontend_pid,
+        d.drained
+    );
+    println!("snapshot: base.raw <- snap1.qcow2 <- snap2.qcow2, data and chain as expected");
 }
