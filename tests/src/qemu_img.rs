@@ -79,3 +79,17 @@ pub fn convert_to_raw(image: &Path, raw: &Path) -> PathBuf {
     ]);
     raw.to_owned()
 }
+
+/// The virtual size `qemu-img info -U` reports for `image` (shared: the image may be in use).
+pub fn virtual_size(image: &Path) -> Option<u64> {
+    let out = qemu_img(&["info", "-U", "--output=json", image.to_str()?]);
+    let key = "\"virtual-size\":";
+    // The image's own, after its children's (the file underneath has one too).
+    let rest = &out[out.rfind(key)? + key.len()..];
+    let digits: String = rest
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}

@@ -411,3 +411,73 @@ fn a_raw_image_with_qcow2_magic_is_served_raw_only_when_told() {
     fe.finish();
     println!("a raw image starting with qcow2's magic: raw with --format raw, qcow2 when probed");
 }
+
+/// An image whose metadata breaks only where a request meets it: an L2 entry that points far
+/// past the end of the file. The request that reads through it fails with IOERR; the rest of
+/// the disk reads and writes as before, and the frontend and its iothread stay up.
+#[test]
+fn a_broken_l2_entry_fails_only_the_request_that_meets_it() {
+    use std::os::unix::fs::FileExt;
+    let dir = TempDir::new("qcow2l2");
+    let image = create_qcow2(&dir.join("broken.qcow2"), "cluster_size=65536", DISK);
+    run_tool(
+        Command::new("qemu-io").args([
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 0x11 0 128k",
+            image.to_str().unwrap(),
+        ]),
+        "qemu-io write",
+    );
+    // Header: the L1 table's offset at byte 40; L1[0] names the first L2 table (bits 9..=55).
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&image)
+        .unwrap();
+    let be64 = |at: u64| {
+        let mut b = [0u8; 8];
+        file.read_exact_at(&mut b, at).unwrap();
+        u64::from_be_bytes(b)
+    };
+    let offsets = 0x00ff_ffff_ffff_fe00u64;
+    let l2 = be64(be64(40)) & offsets;
+    assert_ne!(l2, 0, "qemu-io allocated no L2 table");
+    // The second cluster's entry: "copied" (bit 63) and 1 TiB into a file of a few hundred KiB.
+    file.write_all_at(&((1u64 << 63) | (1u64 << 40)).to_be_bytes(), l2 + 8)
+        .unwrap();
+    drop(file);
+
+    let mut fe = Frontend::start(&image, &[]);
+    let iothreads = fe.iothread_pids();
+    let mut c = Client::connect(fe.socket()).unwrap();
+    let q = c.queue(0);
+    assert_same_data(
+        "the intact first cluster",
+        &ok("read", q.read_at(0, 65536)),
+        &vec![0x11; 65536],
+    );
+    let err = q
+        .read_at(65536, 4096)
+        .expect_err("a read through the broken entry succeeded");
+    assert_eq!(err, libc::EIO, "{}", errno_name(err));
+    // The disk goes on: other clusters read and write, the first one still reads.
+    let data = pattern(77, 8192);
+    ok("write elsewhere", q.write_at(4 * MIB, &data));
+    assert_same_data(
+        "written elsewhere",
+        &ok("read", q.read_at(4 * MIB, 8192)),
+        &data,
+    );
+    assert_same_data(
+        "the first cluster again",
+        &ok("read", q.read_at(0, 4096)),
+        &vec![0x11; 4096],
+    );
+    drop(c);
+    fe.assert_running("a request through a broken L2 entry");
+    assert_eq!(fe.iothread_pids(), iothreads, "the iothread was replaced");
+    fe.finish();
+    println!("an L2 entry 1 TiB past the end: that read fails with EIO, the disk serves on");
+}

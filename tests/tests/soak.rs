@@ -4,8 +4,11 @@
 //! seconds, one of: kill -9 of a frontend (of a guest disk, or of the idle hot-plugged disk),
 //! kill -9 of an iothread (any disk), kill -9 of blkplaned (restarted; it must re-adopt every
 //! frontend), drain and resume (d0), a throttle change (d1, including a group and clearing),
-//! a live grow (g1, which the guest must see), and a step of a fifth disk's hot-plug life
-//! (add with verified I/O, re-verify, remove).
+//! a live grow (g1, which the guest must see), a live external snapshot of g1 (at most
+//! [`MAX_SNAPSHOTS`]: blkplanectl `disk snapshot`, the frontend restarted on the new overlay,
+//! QEMU reconnecting), and a step of a fifth disk's hot-plug life (add with verified I/O,
+//! re-verify, remove). g1 is a qcow2 overlay of a raw base: every fault above also meets its
+//! allocating writes, and at the end `qemu-img check` must find its chain free of corruption.
 //!
 //! Passes with zero I/O errors and zero verify mismatches on every client, every injected
 //! fault recovered from (and no process replaced that was not killed), the expected processes
@@ -32,6 +35,7 @@ use blkplane_tests::frontend::{iothread_pids, kill_iothread, SPAWNER_COMM};
 use blkplane_tests::guest::{
     build_guest, qemu_binary, qemu_command, read_lossy, tail, target_dir, Qemu, Report,
 };
+use blkplane_tests::qemu_img::{assert_check_clean, create_overlay, virtual_size};
 use blkplane_tests::soak::{
     become_subreaper, cloexec_all, fd_count, fd_diff, fd_kinds, fd_summary, reap_zombies,
     status_kib, ClientStats, Worker, BLOCK, SLOT,
@@ -544,8 +548,12 @@ const FAULTS: &[(&str, u64)] = &[
     ("drain-resume", 2),
     ("throttle", 2),
     ("resize", 1),
+    ("snapshot", 1),
     ("hot-plug", 3),
 ];
+
+/// The most live snapshots of g1 in one run (its chain grows by one each; 16 is the bound).
+const MAX_SNAPSHOTS: u32 = 6;
 
 /// The throttle settings d1 goes through, in turn (blkplanectl `disk throttle d1 ARGS`).
 const THROTTLE_STEPS: &[&[&str]] = &[
@@ -591,7 +599,10 @@ struct Soak {
     throttle_step: usize,
     group_active: bool,
     g1_capacity: u64,
+    /// g1's image now: its first overlay, then the latest snapshot's.
     g1_image: PathBuf,
+    /// Snapshots of g1 taken so far.
+    snapshots: u32,
     g0_image: PathBuf,
     nonce: String,
 }
@@ -933,10 +944,17 @@ impl Soak {
         let hot = if self.hot.is_some() { " (+hot)" } else { "" };
         let mut procs: Vec<(String, u32)> = vec![(format!("blkplaned{hot}"), self.d.pid())];
         for (id, p) in &self.procs {
-            procs.push((format!("frontend {id}"), p.frontend));
+            // Each snapshot adds a backing file to g1's chain: one more fd in its frontend and
+            // two in its iothread, a new baseline rather than a leak.
+            let chain = if id == "g1" && self.snapshots > 0 {
+                format!(" after {} snapshot(s)", self.snapshots)
+            } else {
+                String::new()
+            };
+            procs.push((format!("frontend {id}{chain}"), p.frontend));
             procs.push((format!("spawner {id}"), spawner_of[&p.frontend]));
             for &it in &p.iothreads {
-                procs.push((format!("iothread {id}"), it));
+                procs.push((format!("iothread {id}{chain}"), it));
             }
         }
         // Three looks 150 ms apart, the smallest count kept: a leak stays, an admin poll or a
@@ -1002,6 +1020,9 @@ impl Soak {
             "drain-resume" => self.drain_resume(),
             "throttle" => self.throttle(),
             "resize" => self.resize(),
+            "snapshot" if self.snapshots < MAX_SNAPSHOTS => self.snapshot(),
+            // Enough of them: the chain stays short.
+            "snapshot" => self.resize(),
             "hot-plug" => self.hot_plug(),
             _ => unreachable!(),
         };
@@ -1194,11 +1215,12 @@ impl Soak {
                 "QEMU was not notified of the new capacity: {out:?}"
             ));
         }
-        let len = std::fs::metadata(&self.g1_image)
-            .map_err(|e| e.to_string())?
-            .len();
-        if len != new {
-            return Err(format!("g1's image is {len} bytes after a resize to {new}"));
+        // g1 is qcow2: its virtual size, written by its iothread.
+        let size = virtual_size(&self.g1_image);
+        if size != Some(new) {
+            return Err(format!(
+                "g1's image has a virtual size of {size:?} after a resize to {new}"
+            ));
         }
         let old = self.g1_capacity;
         self.g1_capacity = new;
@@ -1206,6 +1228,34 @@ impl Soak {
         self.count("resize g1".into());
         Ok(format!(
             "resize g1 {old} -> {new}: image grown, QEMU notified; settled after {took:.1?}"
+        ))
+    }
+
+    /// A live external snapshot of g1 while the guest's fio writes to it: a new overlay over
+    /// its current image, the frontend restarted on it (QEMU reconnects), the chain one longer.
+    fn snapshot(&mut self) -> Result<String, String> {
+        self.snapshots += 1;
+        let overlay = self
+            .images
+            .join(&format!("g1-snap{}.qcow2", self.snapshots));
+        let out = ctl(
+            &self.d,
+            &["disk", "snapshot", "g1", overlay.to_str().unwrap()],
+        )?;
+        let previous = self.g1_image.to_str().unwrap().to_string();
+        if out.get("config").get("image").str() != overlay.to_str().unwrap()
+            || out.get("backing_chain").arr().first().map(|j| j.str()) != Some(previous.as_str())
+        {
+            return Err(format!("snapshot of g1 to {}: {out:?}", overlay.display()));
+        }
+        let took = self.settle(&[("g1", Expect::NewFrontend)]);
+        self.g1_image = overlay;
+        self.count("snapshot g1".into());
+        Ok(format!(
+            "snapshot g1 onto {}: frontend restarted on the overlay, QEMU reconnected; \
+             chain of {} backing files; settled after {took:.1?}",
+            self.g1_image.display(),
+            out.get("backing_chain").arr().len()
         ))
     }
 
@@ -1375,7 +1425,10 @@ impl Soak {
             // first connected to (see docs/soak.md); across replacements that is allowed.
             let cross_slack = match key.strip_prefix("frontend g") {
                 Some(_) => {
-                    let id = &key["frontend ".len()..];
+                    let id = key["frontend ".len()..]
+                        .split(' ')
+                        .next()
+                        .unwrap_or_default();
                     slack + RECONNECT_FDS_PER_QUEUE * usize::from(spec(id).queues)
                 }
                 None => slack,
@@ -1566,7 +1619,17 @@ fn soak() {
         } else {
             LB_SIZE
         };
-        let img = create_image(&images.join(&format!("{}.img", s.id)), size);
+        let img = if s.id == "g1" {
+            // A qcow2 overlay (named relatively) of a raw base, owned alike.
+            let base = create_image(&images.join("g1-base.img"), size);
+            if s.own_user && can_run_as() {
+                let (uid, gid) = DISK_USER.split_once(':').unwrap();
+                std::os::unix::fs::chown(&base, uid.parse().ok(), gid.parse().ok()).unwrap();
+            }
+            create_overlay(&images.join("g1.qcow2"), "g1-base.img", "raw", "")
+        } else {
+            create_image(&images.join(&format!("{}.img", s.id)), size)
+        };
         add_disk(&d, s, &img, s.block_size).unwrap_or_else(|e| panic!("{e}"));
         image_of.insert(s.id, img);
     }
@@ -1646,6 +1709,7 @@ fn soak() {
         group_active: false,
         g1_capacity: GUEST_SIZE,
         g1_image: image_of["g1"].clone(),
+        snapshots: 0,
         g0_image: image_of["g0"].clone(),
         nonce,
     };
@@ -1817,6 +1881,22 @@ fn soak() {
         {
             problems.push(format!("blkplaned log: {line}"));
         }
+    }
+
+    // g1's qcow2 chain after every fault: leaked clusters at most (a killed process's), no
+    // corruption.
+    let g1_check = std::panic::catch_unwind(|| assert_check_clean(&soak.g1_image, true));
+    match &g1_check {
+        Ok(report) => progress(&format!(
+            "qemu-img check of g1's image {} after {} snapshots: {}",
+            soak.g1_image.display(),
+            soak.snapshots,
+            report.trim().replace('\n', "; ")
+        )),
+        Err(_) => problems.push(format!(
+            "qemu-img check of {} failed",
+            soak.g1_image.display()
+        )),
     }
 
     // Leaks.
