@@ -68,6 +68,9 @@ pub struct BackingFile {
 pub struct Chain {
     /// The virtual disk size.
     pub size: u64,
+    /// The image's external data file (where its data clusters are), if its header names one;
+    /// opened as the image is (read-write unless read-only).
+    pub data_file: Option<BackingFile>,
     /// The backing files, the image's own first.
     pub backing: Vec<BackingFile>,
 }
@@ -91,9 +94,19 @@ pub enum ChainError {
         /// imago's reason.
         source: io::Error,
     },
-    /// A layer keeps its data in an external data file.
-    #[error("{0}: external data files are not supported")]
+    /// A backing file keeps its data in an external data file.
+    #[error("{0}: an external data file in a backing file is not supported")]
     ExternalDataFile(PathBuf),
+    /// The image's external data file cannot be opened or is outside the image directories.
+    #[error("the external data file {data_file} of {path}: {reason}")]
+    DataFile {
+        /// The image.
+        path: PathBuf,
+        /// The data file.
+        data_file: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// A backing file's name in a header is not UTF-8 or is empty.
     #[error("{path}: unusable backing file name {name:?}")]
     BackingName {
@@ -227,9 +240,16 @@ pub fn check_header(file: &File) -> Result<(), String> {
 /// names it, its format.
 type BackingRef = (String, Option<String>);
 
-/// Opens a qcow2 layer with imago, read-only: its virtual size, and its backing file's name
-/// and format, if it has one.
-fn read_header(file: &File, path: &Path) -> Result<(u64, Option<BackingRef>), ChainError> {
+/// What a qcow2 header says: the virtual size, the backing file, the external data file's name.
+struct HeaderRefs {
+    size: u64,
+    backing: Option<BackingRef>,
+    data_file: Option<String>,
+}
+
+/// Opens a qcow2 layer with imago, read-only: its virtual size, its backing file's name and
+/// format, and its external data file's name, if it has them.
+fn read_header(file: &File, path: &Path) -> Result<HeaderRefs, ChainError> {
     let qcow2_error = |source| ChainError::Qcow2 {
         path: path.to_owned(),
         source,
@@ -239,14 +259,29 @@ fn read_header(file: &File, path: &Path) -> Result<(u64, Option<BackingRef>), Ch
     let storage = ImagoFile::from_open_file(dup, StorageOpenOptions::new().write(false))
         .map_err(qcow2_error)?;
     let qcow2 = Qcow2::<ImagoFile>::open_image(storage, false).map_err(qcow2_error)?;
-    if qcow2.requires_external_data_file() {
-        return Err(ChainError::ExternalDataFile(path.to_owned()));
-    }
+    let data_file = if qcow2.requires_external_data_file() {
+        Some(
+            qcow2
+                .implicit_external_data_file()
+                .cloned()
+                .ok_or_else(|| ChainError::DataFile {
+                    path: path.to_owned(),
+                    data_file: PathBuf::new(),
+                    reason: "the header names none".into(),
+                })?,
+        )
+    } else {
+        None
+    };
     let backing = qcow2
         .implicit_backing_file()
         .map(|name| (name.clone(), qcow2.implicit_backing_format().cloned()));
     let size = FormatAccess::new(qcow2).size();
-    Ok((size, backing))
+    Ok(HeaderRefs {
+        size,
+        backing,
+        data_file,
+    })
 }
 
 /// Where QEMU looks for an overlay's backing file `name`.
@@ -289,8 +324,19 @@ fn inside(path: &Path, dirs: &[PathBuf]) -> bool {
 }
 
 /// Opens the backing chain of the qcow2 image `file` at `path`; with `image_dirs`, every
-/// backing file must be inside one of them.
+/// backing file must be inside one of them. An external data file is opened read-only.
 pub fn open(file: &File, path: &Path, image_dirs: &[PathBuf]) -> Result<Chain, ChainError> {
+    open_for(file, path, image_dirs, false)
+}
+
+/// [`open`], with the image's external data file (if it has one, resolved as a backing file
+/// is and held to the same directories) opened read-write when `writable`.
+pub fn open_for(
+    file: &File,
+    path: &Path,
+    image_dirs: &[PathBuf],
+    writable: bool,
+) -> Result<Chain, ChainError> {
     let identity = |file: &File, at: &Path| {
         file.metadata()
             .map(|m| (m.dev(), m.ino()))
@@ -301,7 +347,40 @@ pub fn open(file: &File, path: &Path, image_dirs: &[PathBuf]) -> Result<Chain, C
     };
     let mut seen = vec![identity(file, path)?];
     let mut paths = vec![path.to_owned()];
-    let (size, mut next) = read_header(file, path)?;
+    let top = read_header(file, path)?;
+    let (size, mut next) = (top.size, top.backing);
+    let data_file = match top.data_file {
+        None => None,
+        Some(name) => {
+            let data_path = resolve(path, &name);
+            let fail = |reason: String| ChainError::DataFile {
+                path: path.to_owned(),
+                data_file: data_path.clone(),
+                reason,
+            };
+            if name.is_empty() || name.contains('\0') {
+                return Err(fail("an unusable name".into()));
+            }
+            if !inside(&data_path, image_dirs) {
+                return Err(fail(format!(
+                    "outside the allowed image directories ({})",
+                    describe_dirs(image_dirs)
+                )));
+            }
+            let file = OpenOptions::new()
+                .read(true)
+                .write(writable)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&data_path)
+                .map_err(|e| fail(e.to_string()))?;
+            seen.push(identity(&file, &data_path)?);
+            Some(BackingFile {
+                file,
+                format: ImageFormat::Raw,
+                path: data_path,
+            })
+        }
+    };
     let mut backing = Vec::new();
     while let Some((name, format_name)) = next.take() {
         let overlay = paths.last().cloned().unwrap_or_default();
@@ -354,7 +433,11 @@ pub fn open(file: &File, path: &Path, image_dirs: &[PathBuf]) -> Result<Chain, C
             None => probe(&backing_file, &backing_path)?,
         };
         if format == ImageFormat::Qcow2 {
-            next = read_header(&backing_file, &backing_path)?.1;
+            let refs = read_header(&backing_file, &backing_path)?;
+            if refs.data_file.is_some() {
+                return Err(ChainError::ExternalDataFile(backing_path));
+            }
+            next = refs.backing;
         }
         backing.push(BackingFile {
             file: backing_file,
@@ -362,7 +445,11 @@ pub fn open(file: &File, path: &Path, image_dirs: &[PathBuf]) -> Result<Chain, C
             path: backing_path,
         });
     }
-    Ok(Chain { size, backing })
+    Ok(Chain {
+        size,
+        data_file,
+        backing,
+    })
 }
 
 /// Why an overlay could not be made.

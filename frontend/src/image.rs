@@ -202,6 +202,8 @@ pub struct FileImage {
     pub size: u64,
     /// The image's format.
     pub format: ImageFormat,
+    /// A qcow2 image's external data file, opened as the image is (`None` for most images).
+    pub data_file: Option<File>,
     /// A qcow2 image's backing files, its own first (read-only; empty for raw).
     pub backing: Vec<BackingFile>,
 }
@@ -247,7 +249,7 @@ impl FileImage {
             Some(format) => format,
             None => chain::probe(&buffered, path).map_err(chain_error)?,
         };
-        let (size, backing) = match format {
+        let (size, data_file, backing) = match format {
             ImageFormat::Raw => {
                 let size = buffered
                     .seek(SeekFrom::End(0))
@@ -255,11 +257,12 @@ impl FileImage {
                         path: path.to_owned(),
                         source,
                     })?;
-                (size, Vec::new())
+                (size, None, Vec::new())
             }
             ImageFormat::Qcow2 => {
-                let chain = chain::open(&buffered, path, image_dirs).map_err(chain_error)?;
-                (chain.size, chain.backing)
+                let chain = chain::open_for(&buffered, path, image_dirs, !read_only)
+                    .map_err(chain_error)?;
+                (chain.size, chain.data_file.map(|d| d.file), chain.backing)
             }
         };
         let direct = match cache {
@@ -282,6 +285,7 @@ impl FileImage {
             direct,
             size,
             format,
+            data_file,
             backing,
         })
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use blkplane_proto::control::{
     self, ControlError, ControlReply, ControlRequest, QueueSpec, SetupSpec, QUEUE_FLAG_CALL,
-    SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
+    SETUP_FLAG_DATA_FILE, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::dirty_log::DirtyLog;
 use blkplane_proto::inflight::InflightRegion;
@@ -190,13 +190,17 @@ impl IothreadLink {
         let (flags, image_size) = match &*self.image {
             Image::File(file) => {
                 fds.push(file.buffered.as_raw_fd());
-                let flags = match &file.direct {
+                let mut flags = match &file.direct {
                     Some(direct) => {
                         fds.push(direct.as_raw_fd());
                         SETUP_FLAG_DIRECT_FD
                     }
                     None => 0,
                 };
+                if let Some(data_file) = &file.data_file {
+                    fds.push(data_file.as_raw_fd());
+                    flags |= SETUP_FLAG_DATA_FILE;
+                }
                 if file.format == ImageFormat::Qcow2 {
                     qcow2_layers = 1;
                     // At most MAX_BACKING_FILES (chain::open bounds the chain): the shifts

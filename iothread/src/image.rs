@@ -157,13 +157,15 @@ impl Image {
     }
 
     /// A qcow2 image: `buffered` and `direct` as for [`Image::new`] (the image file, whose data
-    /// clusters the engine reads and writes), `backing` its backing chain, the image's backing
-    /// file first, each with its format. imago gets a duplicate of the buffered fd for the
+    /// clusters the engine reads and writes), `data_file` its external data file if its header
+    /// names one, `backing` its backing chain, the image's backing file first, each with its
+    /// format. imago gets a duplicate of the buffered fd for the
     /// metadata.
     pub fn qcow2(
         buffered: File,
         direct: Option<File>,
         logical_block_size: u32,
+        data_file: Option<File>,
         backing: Vec<(File, LayerFormat)>,
     ) -> Result<Self, ImageError> {
         let metadata = buffered.try_clone().map_err(|source| ImageError::Os {
@@ -171,7 +173,7 @@ impl Image {
             source,
         })?;
         let mut image = Self::new(buffered, direct, logical_block_size)?;
-        let chain = Qcow2Image::open(metadata, backing)?;
+        let chain = Qcow2Image::open(metadata, data_file, backing)?;
         image.size = chain.size();
         image.qcow2 = Some(chain);
         Ok(image)

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use blkplane_proto::control::{
     self, ControlError, ControlReply, ControlRequest, SetupSpec, MAX_BACKING_FILES,
-    MAX_POLL_MAX_US, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
+    MAX_POLL_MAX_US, SETUP_FLAG_DATA_FILE, SETUP_FLAG_DIRECT_FD, SETUP_FLAG_NULL_IMAGE,
 };
 use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
@@ -77,7 +77,9 @@ enum SetupError {
     #[error("unknown Setup flags {0:#x}")]
     UnknownFlags(u32),
     /// `Setup` asked for a null image with an O_DIRECT fd, which a null image cannot have.
-    #[error("Setup flags {0:#x}: a null image has no O_DIRECT fd")]
+    #[error(
+        "Setup flags {0:#x}: a null image has no O_DIRECT fd or data file, a raw one no data file"
+    )]
     ConflictingFlags(u32),
     /// `Setup` carried an image size for a file image, whose size comes from its fd.
     #[error("Setup gives image size {0} for a file image")]
@@ -268,11 +270,11 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         ControlRequest::SetDirtyLog(_) => return Err(SetupError::NotSetup("SetDirtyLog")),
         ControlRequest::GrowImage { .. } => return Err(SetupError::NotSetup("GrowImage")),
     };
-    if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE) != 0 {
+    if flags & !(SETUP_FLAG_DIRECT_FD | SETUP_FLAG_NULL_IMAGE | SETUP_FLAG_DATA_FILE) != 0 {
         return Err(SetupError::UnknownFlags(flags));
     }
     let null = flags & SETUP_FLAG_NULL_IMAGE != 0;
-    if null && flags & SETUP_FLAG_DIRECT_FD != 0 {
+    if null && flags & (SETUP_FLAG_DIRECT_FD | SETUP_FLAG_DATA_FILE) != 0 {
         return Err(SetupError::ConflictingFlags(flags));
     }
     // A file's size comes from its fd; a second source could only disagree with it.
@@ -318,7 +320,15 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
         } else {
             None
         };
+        let data_file = if flags & SETUP_FLAG_DATA_FILE != 0 {
+            files.next()
+        } else {
+            None
+        };
         if qcow2_layers & 1 == 0 {
+            if data_file.is_some() {
+                return Err(SetupError::ConflictingFlags(flags));
+            }
             Image::new(buffered, direct, logical_block_size)?
         } else {
             let backing = files
@@ -333,7 +343,7 @@ fn setup(control: &UnixStream) -> Result<Option<Engine>, SetupError> {
                     (file, format)
                 })
                 .collect();
-            Image::qcow2(buffered, direct, logical_block_size, backing)?
+            Image::qcow2(buffered, direct, logical_block_size, data_file, backing)?
         }
     };
     let engine = Engine::new(&ring, submit_eventfd, complete_eventfd, image)?

@@ -42,6 +42,11 @@ pub struct Barrier {
 }
 
 impl Barrier {
+    /// The file's own descriptor (a duplicate), for reads of its header.
+    pub fn file_ref(&self) -> &File {
+        &self.file
+    }
+
     /// Writes every held write to the file, in order. Called once the metadata caches have
     /// been written back.
     pub fn apply(&self) -> io::Result<()> {

@@ -137,11 +137,17 @@ struct Layer {
     storage: *const ImagoFile,
     /// The buffered fd (owned by imago's storage object).
     fd: RawFd,
+    /// A file of the image itself (its own file or its external data file), which writes
+    /// may go to; backing files are only read.
+    top: bool,
 }
 
 /// A qcow2 image with its backing chain, opened on fds the frontend sent.
 pub struct Qcow2Image {
     top: FormatAccess<ImagoFile>,
+    /// A raw external data file (`data_file_raw`): it must read as the disk does, so what
+    /// imago zeroes in the metadata is zeroed in it too (QEMU writes those zeros as well).
+    raw_data_file: Option<RawFd>,
     /// The image file's held pointer writes, applied after each write-back of the caches.
     barrier: Arc<Barrier>,
     layers: Vec<Layer>,
@@ -163,6 +169,32 @@ impl std::fmt::Debug for Qcow2Image {
 // SAFETY: `Layer::storage` is only compared, never dereferenced; everything else is Send.
 unsafe impl Send for Qcow2Image {}
 
+/// Whether the qcow2 header in `file` sets the "raw external data" autoclear bit (bit 1 of the
+/// autoclear features, a big-endian u64 at byte 88 of a version 3 header).
+fn has_raw_external_data(file: &File) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut field = [0u8; 8];
+    file.read_exact_at(&mut field, 88).is_ok() && u64::from_be_bytes(field) & 0b10 != 0
+}
+
+/// Zeroes `len` bytes at `offset` of a raw data file: a hole where the file system makes one,
+/// else zeroed blocks.
+fn zero_raw_range(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    for mode in [
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+    ] {
+        // SAFETY: fallocate on an fd of the chain; integer arguments only.
+        if unsafe { libc::fallocate(fd, mode, offset, len) } == 0 {
+            return Ok(());
+        }
+    }
+    Err(io::Error::last_os_error())
+}
+
 /// Whether `file` was opened for writing.
 fn opened_writable(file: &File) -> bool {
     // SAFETY: F_GETFL only reads the status flags of an open fd.
@@ -171,10 +203,16 @@ fn opened_writable(file: &File) -> bool {
 }
 
 impl Qcow2Image {
-    /// Opens the chain: `top` (qcow2, read-write if its fd is) and `backing`, the image's
-    /// backing file first, each with its format, all read-only. Every layer that names a
-    /// backing file gets the next one; the last must name none.
-    pub fn open(top: File, backing: Vec<(File, LayerFormat)>) -> Result<Self, Qcow2Error> {
+    /// Opens the chain: `top` (qcow2, read-write if its fd is), its external data file (exactly
+    /// when its header names one; opened as `top` is) and `backing`, the image's backing file
+    /// first, each with its format, all read-only. Every layer that names a backing file gets
+    /// the next one; the last must name none. Layer 0 is the image's own file, then its data
+    /// file (if any), then the backing files.
+    pub fn open(
+        top: File,
+        mut data_file: Option<File>,
+        backing: Vec<(File, LayerFormat)>,
+    ) -> Result<Self, Qcow2Error> {
         let writable = opened_writable(&top);
         let depth = backing.len();
         let mut layers: Vec<Layer> = Vec::with_capacity(depth.saturating_add(1));
@@ -188,7 +226,9 @@ impl Qcow2Image {
             .collect();
         files.insert(0, (0, top, LayerFormat::Qcow2, writable));
         while let Some((layer, file, format, layer_writable)) = files.pop() {
-            let fd = file.as_raw_fd();
+            // The fds of this layer's files, in the order imago lists its storages: its own
+            // file, then its external data file.
+            let mut fds = vec![file.as_raw_fd()];
             let open_error = |source| Qcow2Error::Open {
                 layer,
                 format,
@@ -219,8 +259,27 @@ impl Qcow2Image {
                         .map_err(|e| open_error(io::Error::new(io::ErrorKind::InvalidData, e)))?;
                     let mut qcow2 = Qcow2::<ImagoFile>::open_image(storage, layer_writable)
                         .map_err(open_error)?;
-                    if qcow2.requires_external_data_file() {
-                        return Err(Qcow2Error::ExternalDataFile(layer));
+                    match (qcow2.requires_external_data_file(), layer, data_file.take()) {
+                        (true, 0, Some(data)) => {
+                            fds.push(data.as_raw_fd());
+                            let (data, _) = MetadataFile::open(data, layer_writable, false)
+                                .map_err(open_error)?;
+                            qcow2.set_data_file(Some(data));
+                        }
+                        (true, 0, None) => {
+                            return Err(Qcow2Error::ChainMismatch {
+                                layer,
+                                problem: "names an external data file, but none was handed over",
+                            })
+                        }
+                        (true, _, _) => return Err(Qcow2Error::ExternalDataFile(layer)),
+                        (false, _, Some(_)) => {
+                            return Err(Qcow2Error::ChainMismatch {
+                                layer,
+                                problem: "names no external data file, but one was handed over",
+                            })
+                        }
+                        (false, _, None) => {}
                     }
                     match (qcow2.implicit_backing_file().is_some(), below.take()) {
                         (true, Some(backing)) => qcow2.set_backing(Some(backing)),
@@ -241,27 +300,42 @@ impl Qcow2Image {
                     FormatAccess::new(qcow2)
                 }
             };
-            // The storages this layer added to those below it are its own file.
-            let known = layers.len();
-            for storage in access.inner().collect_storage_dependencies() {
-                let ptr: *const ImagoFile = storage;
-                if !layers.iter().any(|l| std::ptr::eq(l.storage, ptr)) {
-                    layers.push(Layer { storage: ptr, fd });
-                }
-            }
-            if layers.len() != known.saturating_add(1) {
+            // The storages this layer added to those below it are its own files; they go in
+            // front of the layers below, so that the image's own file ends up first.
+            let new: Vec<*const ImagoFile> = access
+                .inner()
+                .collect_storage_dependencies()
+                .into_iter()
+                .map(|storage| storage as *const ImagoFile)
+                .filter(|ptr| !layers.iter().any(|l| std::ptr::eq(l.storage, *ptr)))
+                .collect();
+            if new.len() != fds.len() {
                 return Err(Qcow2Error::ChainMismatch {
                     layer,
-                    problem: "does not have exactly one file",
+                    problem: "does not have the files it was handed",
                 });
             }
+            let group = new.into_iter().zip(fds).map(|(storage, fd)| Layer {
+                storage,
+                fd,
+                top: layer == 0,
+            });
+            layers.splice(0..0, group);
             below = Some(access);
+        }
+        if data_file.is_some() {
+            return Err(Qcow2Error::ChainMismatch {
+                layer: 0,
+                problem: "is handed an external data file it does not name",
+            });
         }
         let (Some(top), Some(barrier)) = (below, top_barrier) else {
             return Err(Qcow2Error::RawTop);
         };
-        // Built bottom-up: reverse so that index 0 is the image.
-        layers.reverse();
+        let raw_data_file = layers
+            .get(1)
+            .filter(|l| l.top && has_raw_external_data(barrier.file_ref()))
+            .map(|l| l.fd);
         info!(
             "qcow2 image of {} bytes, {} backing file(s), {}",
             top.size(),
@@ -270,6 +344,7 @@ impl Qcow2Image {
         );
         Ok(Self {
             top,
+            raw_data_file,
             barrier,
             layers,
             writable,
@@ -310,7 +385,7 @@ impl Qcow2Image {
                     layer,
                     host_offset,
                     len,
-                    writable: writable && layer == 0,
+                    writable: writable && self.layers.get(layer).is_some_and(|l| l.top),
                 }
             }
             Mapping::Zero { .. } => Extent::Zero { len },
@@ -374,10 +449,10 @@ impl Qcow2Image {
         let ptr: *const ImagoFile = prepared.storage();
         let fd = self
             .layers
-            .first()
-            .filter(|l| std::ptr::eq(l.storage, ptr))
+            .iter()
+            .find(|l| l.top && std::ptr::eq(l.storage, ptr))
             .map(|l| l.fd)
-            .ok_or_else(|| io::Error::other("allocation outside the image file"))?;
+            .ok_or_else(|| io::Error::other("allocation outside the image's files"))?;
         let mapped = prepared.length().min(len);
         // Dropping `prepared` on an error releases the prepared cluster: the old mapping stays.
         write(fd, prepared.offset(), mapped)?;
@@ -403,6 +478,9 @@ impl Qcow2Image {
         } else {
             false
         };
+        if let Some(fd) = self.raw_data_file {
+            zero_raw_range(fd, offset, len)?;
+        }
         if !deallocated {
             match self.top.write_zeroes(offset, len) {
                 // qcow2 v2 has no zero clusters: write zeros as data.
@@ -455,6 +533,10 @@ impl Qcow2Image {
         match self.top.discard_to_any(offset, len) {
             Err(e) if e.kind() == io::ErrorKind::Unsupported => return Ok(()),
             result => result?,
+        }
+        // The whole clusters became zero clusters: the raw data file reads so too.
+        if let Some(fd) = self.raw_data_file {
+            zero_raw_range(fd, offset, len)?;
         }
         self.write_back()
     }

@@ -5,7 +5,7 @@
 //!
 //! | message | bytes | fds |
 //! |---|---|---|
-//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64, poll_max_us: u32, backing_files: u32, qcow2_layers: u32 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd], one read-only fd per backing file (the image's backing file first) |
+//! | `Setup` | tag 1: u32, flags: u32, logical_block_size: u32, image_size: u64, poll_max_us: u32, backing_files: u32, qcow2_layers: u32 | ring memfd, submit eventfd, complete eventfd, then (without `SETUP_FLAG_NULL_IMAGE`) image fd, [O_DIRECT image fd], [external data file fd], one read-only fd per backing file (the image's backing file first) |
 //! | `SetMemoryTable` | tag 2: u32, count: u32, count × (size: u64, mmap_offset: u64, guest_addr: u64) | one per region, in index order |
 //! | `Shutdown` | tag 3: u32 | — |
 //! | `StartQueue` | tag 4: u32, queue: u16, size: u16, flags: u32, avail_addr: u64, used_addr: u64, next_used: u16, inflight_queue: u16, inflight_queues: u16, inflight_size: u16, inflight_offset: u64 | inflight region, then (with [`QUEUE_FLAG_CALL`]) the call eventfd |
@@ -20,7 +20,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | tag = 1 |
-//! | 4 | 4 | flags: [`SETUP_FLAG_DIRECT_FD`], [`SETUP_FLAG_NULL_IMAGE`]; other bits are refused |
+//! | 4 | 4 | flags: [`SETUP_FLAG_DIRECT_FD`], [`SETUP_FLAG_NULL_IMAGE`], [`SETUP_FLAG_DATA_FILE`]; other bits are refused |
 //! | 8 | 4 | logical_block_size: the alignment O_DIRECT transfers need |
 //! | 12 | 8 | image_size: the null image's size in bytes; 0 for a file image, whose size the iothread reads from the fd itself |
 //! | 20 | 4 | poll_max_us: the bound of the iothread's adaptive polling of its submission queue, in µs (the disk's `--poll-max-us`); 0: it never polls |
@@ -91,6 +91,9 @@ const TAG_REPLY: u32 = 0x80;
 
 /// `Setup` flag: a fifth fd, the image opened with O_DIRECT, follows.
 pub const SETUP_FLAG_DIRECT_FD: u32 = 1;
+/// `Setup` flag: a qcow2 image's external data file follows the image's fds (before the
+/// backing files'), opened as the image is.
+pub const SETUP_FLAG_DATA_FILE: u32 = 4;
 /// `Setup` flag: serve a null image of `image_size` bytes (reads return zeros, writes are
 /// dropped); no image fd follows.
 pub const SETUP_FLAG_NULL_IMAGE: u32 = 2;
@@ -230,11 +233,13 @@ impl ControlRequest {
                 backing_files,
                 ..
             }) => {
-                let image_fds = if flags & SETUP_FLAG_DIRECT_FD != 0 {
+                let image_fds: usize = if flags & SETUP_FLAG_DIRECT_FD != 0 {
                     5
                 } else {
                     4
                 };
+                let image_fds =
+                    image_fds.saturating_add(usize::from(flags & SETUP_FLAG_DATA_FILE != 0));
                 // More than MAX_FDS cannot travel; the count saturates and the message is
                 // refused for it.
                 usize::try_from(*backing_files)
@@ -754,5 +759,14 @@ mod tests {
             qcow2_layers: 0b11,
         });
         assert_eq!(chain.expected_fds(), 7);
+        let with_data_file = ControlRequest::Setup(SetupSpec {
+            flags: SETUP_FLAG_DATA_FILE,
+            logical_block_size: 512,
+            image_size: 0,
+            poll_max_us: 0,
+            backing_files: 1,
+            qcow2_layers: 0b11,
+        });
+        assert_eq!(with_data_file.expected_fds(), 6);
     }
 }

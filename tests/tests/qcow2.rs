@@ -190,6 +190,38 @@ fn qemu_img_layouts_read_write_check_and_compare() {
     }
 }
 
+/// qcow2 images that keep their data clusters in an external data file (`data_file`, and
+/// `data_file_raw=on`, where the data file is a raw image of the disk): the data moves to and
+/// from the data file at the mapped offsets, the metadata stays in the image.
+#[test]
+fn external_data_files_hold_the_data() {
+    let dir = TempDir::new("qcow2df");
+    for (name, raw) in [("df", ""), ("dfraw", ",data_file_raw=on")] {
+        // qemu-img creates the data file relative to its own directory: name it absolutely.
+        let data = dir.join(&format!("{name}.data"));
+        let options = format!("data_file={}{raw}", data.display());
+        let image = create_qcow2(&dir.join(&format!("{name}.qcow2")), &options, DISK);
+        let mirror = create_image(&dir.join(&format!("{name}.raw")), DISK);
+        let fe = Frontend::start(&image, &[]);
+        let mut c = Client::connect(fe.socket()).unwrap();
+        assert_eq!(c.capacity(), DISK);
+        exercise(c.queue(0), &mirror, 64 * KIB, 41, true);
+        drop(c);
+        fe.finish();
+        assert_check_clean(&image, false);
+        assert_same_as(&image, &mirror);
+        if name == "dfraw" {
+            // The raw data file is the disk itself.
+            let data = read_file(&dir.join("dfraw.data"));
+            assert!(
+                data == read_file(&mirror),
+                "the raw data file is not the guest's view"
+            );
+        }
+        println!("{name} ({options}): the data in the external data file; check clean, compare identical");
+    }
+}
+
 #[test]
 fn compressed_clusters_are_read_and_rewritten() {
     let dir = TempDir::new("qcow2c");

@@ -117,7 +117,7 @@ fn frontend(image: &File) {
 /// names a backing file gets one.
 fn open(image: &File, qcow2_backing: bool) -> Option<Qcow2Image> {
     let top = || image.try_clone().expect("dup");
-    match Qcow2Image::open(top(), vec![]) {
+    match Qcow2Image::open(top(), None, vec![]) {
         Ok(chain) => Some(chain),
         Err(Qcow2Error::ChainMismatch { layer: 0, .. }) => {
             let backing = if qcow2_backing {
@@ -129,7 +129,7 @@ fn open(image: &File, qcow2_backing: bool) -> Option<Qcow2Image> {
                 let bytes = pattern(RAW_BACKING_LEN, 0xb0);
                 (memfd_with(c"fuzz-backing", &bytes), LayerFormat::Raw)
             };
-            Qcow2Image::open(top(), vec![backing]).ok()
+            Qcow2Image::open(top(), None, vec![backing]).ok()
         }
         Err(_) => None,
     }
