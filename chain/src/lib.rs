@@ -296,7 +296,8 @@ pub fn resolve(overlay: &Path, name: &str) -> PathBuf {
     }
 }
 
-fn describe_dirs(dirs: &[PathBuf]) -> String {
+/// The directories, as an error message lists them.
+pub fn describe_dirs(dirs: &[PathBuf]) -> String {
     dirs.iter()
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
@@ -311,8 +312,9 @@ fn describe(paths: &[PathBuf]) -> String {
         .join(" -> ")
 }
 
-/// Whether `path` resolves inside one of `dirs` (no restriction without any).
-fn inside(path: &Path, dirs: &[PathBuf]) -> bool {
+/// Whether `path` resolves (symlinks and `..` followed) inside one of `dirs` (no restriction
+/// without any): the rule for images, backing files, data files and overlays alike.
+pub fn inside(path: &Path, dirs: &[PathBuf]) -> bool {
     if dirs.is_empty() {
         return true;
     }

@@ -1572,12 +1572,7 @@ async fn qcow2_disk_format_chain_and_io() {
         .expect("resizing a qcow2 disk")
         .into_inner();
     assert_eq!(resized.capacity_bytes, 32 * MIB);
-    let info = Command::new("qemu-img")
-        .args(["info", "-U", "--output=json", &path_str(&top)])
-        .output()
-        .expect("running qemu-img");
-    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
-    assert_eq!(info["virtual-size"], 32 * MIB, "{info}");
+    assert_eq!(blkplane_tests::qemu_img::virtual_size(&top), Some(32 * MIB));
     let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
     assert_eq!(vmm.capacity(), 32 * MIB);
     vmm.queue(0)

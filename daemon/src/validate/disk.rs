@@ -156,20 +156,13 @@ pub fn check_image(
     }
     if !image_dirs.is_empty() {
         // Resolved, so that neither a symlink nor a '..' leads out of the allowed directories.
-        let real = std::fs::canonicalize(path).map_err(|e| invalid(F, format!("{image}: {e}")))?;
-        let inside = image_dirs
-            .iter()
-            .any(|dir| std::fs::canonicalize(dir).is_ok_and(|dir| real.starts_with(dir)));
-        if !inside {
+        std::fs::canonicalize(path).map_err(|e| invalid(F, format!("{image}: {e}")))?;
+        if !chain::inside(path, image_dirs) {
             return Err(invalid(
                 F,
                 format!(
                     "{image} is outside the allowed image directories ({})",
-                    image_dirs
-                        .iter()
-                        .map(|d| d.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    chain::describe_dirs(image_dirs)
                 ),
             ));
         }
@@ -262,20 +255,12 @@ pub fn check_overlay(overlay: &str, image_dirs: &[PathBuf]) -> Result<PathBuf, V
     };
     let real_dir = std::fs::canonicalize(dir)
         .map_err(|e| invalid(F, format!("the directory of {overlay}: {e}")))?;
-    if !image_dirs.is_empty()
-        && !image_dirs
-            .iter()
-            .any(|d| std::fs::canonicalize(d).is_ok_and(|d| real_dir.starts_with(d)))
-    {
+    if !chain::inside(&real_dir, image_dirs) {
         return Err(invalid(
             F,
             format!(
                 "{overlay} is outside the allowed image directories ({})",
-                image_dirs
-                    .iter()
-                    .map(|d| d.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                chain::describe_dirs(image_dirs)
             ),
         ));
     }

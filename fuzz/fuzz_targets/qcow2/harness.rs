@@ -346,44 +346,20 @@ fn write(chain: &mut Qcow2Image, mut offset: u64, len: u64, pat: &[u8]) {
     }
 }
 
+/// The fd as a `File` for one call, not closed afterwards (the chain owns it).
+fn borrowed(fd: RawFd) -> std::mem::ManuallyDrop<File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `fd` is open for as long as the chain that handed it out, which outlives the
+    // call; ManuallyDrop keeps it from being closed here.
+    std::mem::ManuallyDrop::new(unsafe { File::from_raw_fd(fd) })
+}
+
 /// `pread` until `buf` is full; false at an error or the end of the file.
-fn pread_all(fd: RawFd, buf: &mut [u8], mut offset: u64) -> bool {
-    let mut done = 0;
-    while done < buf.len() {
-        let Ok(at) = libc::off_t::try_from(offset) else {
-            return false;
-        };
-        let rest = &mut buf[done..];
-        // SAFETY: `rest` is writable memory of `rest.len()` bytes.
-        let rc = unsafe { libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), at) };
-        match usize::try_from(rc) {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => {
-                done += n;
-                offset += n as u64;
-            }
-        }
-    }
-    true
+fn pread_all(fd: RawFd, buf: &mut [u8], offset: u64) -> bool {
+    borrowed(fd).read_exact_at(buf, offset).is_ok()
 }
 
 /// `pwrite` all of `buf`; false at an error.
-fn pwrite_all(fd: RawFd, buf: &[u8], mut offset: u64) -> bool {
-    let mut done = 0;
-    while done < buf.len() {
-        let Ok(at) = libc::off_t::try_from(offset) else {
-            return false;
-        };
-        let rest = &buf[done..];
-        // SAFETY: `rest` is readable memory of `rest.len()` bytes.
-        let rc = unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), at) };
-        match usize::try_from(rc) {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => {
-                done += n;
-                offset += n as u64;
-            }
-        }
-    }
-    true
+fn pwrite_all(fd: RawFd, buf: &[u8], offset: u64) -> bool {
+    borrowed(fd).write_all_at(buf, offset).is_ok()
 }
