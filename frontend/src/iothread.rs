@@ -44,6 +44,20 @@ pub enum IothreadError {
     Os(#[from] io::Error),
 }
 
+impl IothreadError {
+    /// Whether the iothread went away during the call (its control socket failed or was
+    /// closed), rather than refusing it: a successor may be asked again.
+    pub fn iothread_gone(&self) -> bool {
+        matches!(
+            self,
+            Self::Control {
+                source: ControlError::Io(_) | ControlError::Closed,
+                ..
+            }
+        )
+    }
+}
+
 struct Process {
     pid: u32,
     /// Readable once the process has exited; signals go through it (no pid reuse race).

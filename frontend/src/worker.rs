@@ -557,8 +557,14 @@ impl Worker {
                 let _ = reply.send(waited);
             }
             Command::GrowImage { size, reply } => {
-                let result = self.link.grow_image(size).map_err(|e| e.to_string());
-                let _ = reply.send(result);
+                let mut result = self.link.grow_image(size);
+                if result.as_ref().is_err_and(IothreadError::iothread_gone) {
+                    // It died before answering, having grown the image or not: its successor
+                    // reads the header afresh, and growing to the size it has changes nothing.
+                    self.restart_iothread();
+                    result = self.link.grow_image(size);
+                }
+                let _ = reply.send(result.map_err(|e| e.to_string()));
             }
             Command::SetThrottle { throttle, reply } => {
                 self.core.set_throttle(throttle, monotonic_ns());

@@ -15,6 +15,16 @@
 //!
 //! imago keeps those structures in memory once the image is open, so it never needs to read
 //! back what is held; reads that meet a held write see it anyway.
+//!
+//! The structures move: imago 0.2.6 writes a new L1 table on every grow (and a new refcount
+//! table when the old one is full), then the header that points there, then frees the old
+//! table. Until that header is applied, the old table is what the file's header names and the
+//! new one is what imago writes to, so both are held; afterwards only the new one, and the old
+//! cluster is an ordinary one again (held for good, a data cluster imago puts there next would
+//! have its copy-on-write applied after the guest's data written to it directly). The old
+//! cluster must not be reused before the header is applied either: imago asks
+//! [`Storage::settle_writes`] before it frees metadata clusters, and is refused while a moved
+//! table's header is held, so it keeps them (a leak `qemu-img check` reports) instead.
 
 use std::fmt;
 use std::fs::File;
@@ -35,10 +45,72 @@ use imago::{Storage, StorageOpenOptions};
 pub struct Barrier {
     /// A duplicate of the file's fd, to apply the held writes with.
     file: File,
-    /// Byte ranges of the pointer structures (header, L1 table, refcount table).
-    held_ranges: Vec<Range<u64>>,
+    /// What is held, and where the pointer structures are.
+    state: Mutex<Held>,
+}
+
+/// The held writes and the pointer structures they must wait with.
+#[derive(Debug, Default)]
+struct Held {
     /// Held writes in the order imago made them: (offset, data).
-    held: Mutex<Vec<(u64, Vec<u8>)>>,
+    writes: Vec<(u64, Vec<u8>)>,
+    /// Byte ranges of the pointer structures the header in the file names.
+    on_disk: Vec<Range<u64>>,
+    /// Those the header will name once the held writes are applied: where imago has moved
+    /// its L1 or refcount table (a grow moves the L1 table every time) and the new header
+    /// is still held, they differ. Until then both are pointer structures: the file's old
+    /// ones are what a crash would leave in use, the new ones what imago now writes to.
+    pending: Vec<Range<u64>>,
+}
+
+impl Held {
+    /// Whether a write of `len` bytes at `offset` meets a pointer structure, old or new.
+    fn holds(&self, offset: u64, len: u64) -> bool {
+        let end = offset.saturating_add(len);
+        self.on_disk
+            .iter()
+            .chain(&self.pending)
+            .any(|range| offset < range.end && range.start < end)
+    }
+
+    /// Whether a held header moves a pointer structure.
+    fn moves_a_table(&self) -> bool {
+        self.pending != self.on_disk
+    }
+
+    /// The header fields as they will be once the held writes are applied over `header`
+    /// (the header in the file).
+    fn pending_header(&self, mut header: [u8; HEADER_FIELDS]) -> [u8; HEADER_FIELDS] {
+        for (at, data) in &self.writes {
+            overlay(&mut header, 0, *at, data);
+        }
+        header
+    }
+}
+
+/// Lays `data`, written at file offset `at`, over the part of `buffer` (which holds the file
+/// from offset `offset`) it covers.
+fn overlay(buffer: &mut [u8], offset: u64, at: u64, data: &[u8]) {
+    let end = offset.saturating_add(buffer.len() as u64);
+    let data_end = at.saturating_add(data.len() as u64);
+    let (from, to) = (at.max(offset), data_end.min(end));
+    if from >= to {
+        return;
+    }
+    // All three are within their buffers: from..to lies inside both ranges.
+    let (Ok(dst), Ok(src), Ok(n)) = (
+        usize::try_from(from.saturating_sub(offset)),
+        usize::try_from(from.saturating_sub(at)),
+        usize::try_from(to.saturating_sub(from)),
+    ) else {
+        return;
+    };
+    if let (Some(dst), Some(src)) = (
+        buffer.get_mut(dst..dst.saturating_add(n)),
+        data.get(src..src.saturating_add(n)),
+    ) {
+        dst.copy_from_slice(src);
+    }
 }
 
 impl Barrier {
@@ -47,32 +119,33 @@ impl Barrier {
         &self.file
     }
 
-    /// Writes every held write to the file, in order. Called once the metadata caches have
-    /// been written back.
+    /// Writes every held write to the file, in order, and takes the structures the header
+    /// now names as the pointer structures. Called once the metadata caches have been
+    /// written back.
     pub fn apply(&self) -> io::Result<()> {
-        let mut held = blkplane_lock_free(&self.held);
-        for (offset, data) in held.iter() {
+        let mut held = lock(&self.state);
+        if held.writes.is_empty() {
+            return Ok(());
+        }
+        for (offset, data) in held.writes.iter() {
             self.file.write_all_at(data, *offset)?;
         }
-        held.clear();
+        held.writes.clear();
+        if held.moves_a_table() {
+            held.on_disk = std::mem::take(&mut held.pending);
+            held.pending = held.on_disk.clone();
+        }
         Ok(())
     }
 
     /// Whether any held write is waiting.
     pub fn is_empty(&self) -> bool {
-        blkplane_lock_free(&self.held).is_empty()
-    }
-
-    fn holds(&self, offset: u64, len: u64) -> bool {
-        let end = offset.saturating_add(len);
-        self.held_ranges
-            .iter()
-            .any(|range| offset < range.end && range.start < end)
+        lock(&self.state).writes.is_empty()
     }
 }
 
-/// Takes the mutex, ignoring poisoning: the held list is consistent after every push.
-fn blkplane_lock_free<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Takes the mutex, ignoring poisoning: the held state is consistent after every change.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -100,19 +173,26 @@ fn be<const N: usize>(header: &[u8], offset: usize) -> Option<u64> {
     Some(bytes.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
 }
 
-/// The pointer structures of the qcow2 image in `file` (header cluster, L1 table, refcount
-/// table), from its header; empty when the header cannot say (imago refuses such an image).
-fn pointer_ranges(file: &File) -> Vec<Range<u64>> {
-    let mut header = [0u8; 64];
-    if file.read_exact_at(&mut header, 0).is_err() {
-        return Vec::new();
-    }
+/// The bytes of a qcow2 header that say where its pointer structures are (up to and
+/// including the refcount table's cluster count).
+const HEADER_FIELDS: usize = 64;
+
+/// The first [`HEADER_FIELDS`] bytes of the header in `file`; `None` if it is shorter.
+fn read_header(file: &File) -> Option<[u8; HEADER_FIELDS]> {
+    let mut header = [0u8; HEADER_FIELDS];
+    file.read_exact_at(&mut header, 0).ok()?;
+    Some(header)
+}
+
+/// The pointer structures (header cluster, L1 table, refcount table) that `header` names;
+/// empty when it cannot say (imago refuses such an image).
+fn pointer_ranges(header: &[u8; HEADER_FIELDS]) -> Vec<Range<u64>> {
     let (Some(cluster_bits), Some(l1_size), Some(l1_offset), Some(rt_offset), Some(rt_clusters)) = (
-        be::<4>(&header, 20),
-        be::<4>(&header, 36),
-        be::<8>(&header, 40),
-        be::<8>(&header, 48),
-        be::<4>(&header, 56),
+        be::<4>(header, 20),
+        be::<4>(header, 36),
+        be::<8>(header, 40),
+        be::<8>(header, 48),
+        be::<4>(header, 56),
     ) else {
         return Vec::new();
     };
@@ -201,15 +281,17 @@ impl MetadataFile {
                  `qemu-img check -r all` repairs it); refusing to write to it",
             ));
         }
-        let held_ranges = if writable && qcow2 {
-            pointer_ranges(&file)
-        } else {
-            Vec::new()
+        let on_disk = match read_header(&file) {
+            Some(header) if writable && qcow2 => pointer_ranges(&header),
+            _ => Vec::new(),
         };
         let barrier = Arc::new(Barrier {
             file: file.try_clone()?,
-            held_ranges,
-            held: Mutex::new(Vec::new()),
+            state: Mutex::new(Held {
+                writes: Vec::new(),
+                pending: on_disk.clone(),
+                on_disk,
+            }),
         });
         let inner = ImagoFile::from_open_file(file, StorageOpenOptions::new().write(writable))?;
         Ok((
@@ -253,7 +335,9 @@ impl Storage for MetadataFile {
 
     unsafe fn pure_readv(&self, mut bufv: IoVectorMut<'_>, offset: u64) -> io::Result<()> {
         let len = bufv.len();
-        if !self.barrier.holds(offset, len) || self.barrier.is_empty() {
+        let held = lock(&self.barrier.state);
+        if held.writes.is_empty() || !held.holds(offset, len) {
+            drop(held);
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
             return unsafe { self.inner.pure_readv(bufv, offset) };
         }
@@ -268,34 +352,17 @@ impl Storage for MetadataFile {
             self.inner
                 .pure_readv(IoVectorMut::from(&mut bounce[..]), offset)?
         };
-        let end = offset.saturating_add(len);
-        for (at, data) in blkplane_lock_free(&self.barrier.held).iter() {
-            let data_end = at.saturating_add(data.len() as u64);
-            let (from, to) = ((*at).max(offset), data_end.min(end));
-            if from >= to {
-                continue;
-            }
-            // All four are within their buffers: from..to lies inside both ranges.
-            let (Ok(dst), Ok(src), Ok(n)) = (
-                usize::try_from(from.saturating_sub(offset)),
-                usize::try_from(from.saturating_sub(*at)),
-                usize::try_from(to.saturating_sub(from)),
-            ) else {
-                continue;
-            };
-            if let (Some(dst), Some(src)) = (
-                bounce.get_mut(dst..dst.saturating_add(n)),
-                data.get(src..src.saturating_add(n)),
-            ) {
-                dst.copy_from_slice(src);
-            }
+        for (at, data) in &held.writes {
+            overlay(&mut bounce, offset, *at, data);
         }
         bufv.copy_from_slice(&bounce);
         Ok(())
     }
 
     unsafe fn pure_writev(&self, bufv: IoVector<'_>, offset: u64) -> io::Result<()> {
-        if !self.barrier.holds(offset, bufv.len()) {
+        let mut held = lock(&self.barrier.state);
+        if !held.holds(offset, bufv.len()) {
+            drop(held);
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
             return unsafe { self.inner.pure_writev(bufv, offset) };
         }
@@ -303,10 +370,36 @@ impl Storage for MetadataFile {
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let mut data = vec![0u8; len];
         bufv.copy_into_slice(&mut data);
-        blkplane_lock_free(&self.barrier.held).push((offset, data));
+        held.writes.push((offset, data));
+        if offset < HEADER_FIELDS as u64 {
+            // The header changes: where it will put the L1 and refcount tables is a pointer
+            // structure from now on, the old ones stay one until the new header is applied.
+            if let Some(header) = read_header(&self.barrier.file) {
+                let pending = pointer_ranges(&held.pending_header(header));
+                if !pending.is_empty() {
+                    held.pending = pending;
+                }
+            }
+        }
         Ok(())
     }
 
+    /// Refused while a moved L1 or refcount table's new header is held: imago frees the old
+    /// table's clusters right after writing that header, and a cluster reused before the new
+    /// header is in the file would be overwritten while the file's header still points there
+    /// (and would be held as a pointer structure, behind data written to it directly). imago
+    /// then keeps those clusters (leaks them, as `qemu-img check` reports) instead.
+    fn settle_writes(&self) -> io::Result<()> {
+        if lock(&self.barrier.state).moves_a_table() {
+            return Err(io::Error::other(
+                "a moved L1 or refcount table's header is not in the file yet",
+            ));
+        }
+        self.inner.settle_writes()
+    }
+
+    // imago zeroes and discards data clusters only (copy-on-write of a zero cluster,
+    // preallocation), never a pointer structure: nothing here is held.
     unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         // SAFETY: the caller's guarantees for this call are passed on unchanged.
         unsafe { self.inner.pure_write_zeroes(offset, length) }
@@ -418,13 +511,60 @@ mod tests {
         assert_eq!(on_disk(&file, REFTABLE + 8, 8), [0, 0, 0, 0, 0, 6, 0, 0]);
     }
 
+    /// imago moves the L1 table (a grow) the way it moves the refcount table: the new table
+    /// written, then the header pointing there, then the old table freed.
+    #[test]
+    fn a_moved_table_is_held_at_both_places_until_its_header_is_applied() {
+        const NEW_L1: u64 = 0x4_0000;
+        let file = image();
+        let (storage, barrier) = MetadataFile::open(file.try_clone().unwrap(), true, true).unwrap();
+        // The new table is no pointer structure yet: written straight away.
+        write(&storage, NEW_L1, &[0x80, 0, 0, 0, 0, 5, 0, 0]);
+        assert_eq!(on_disk(&file, NEW_L1, 1), [0x80]);
+        assert!(storage.settle_writes().is_ok());
+        // The header's L1 fields (size, offset) now name it, two entries long.
+        let mut fields = 2u32.to_be_bytes().to_vec();
+        fields.extend_from_slice(&NEW_L1.to_be_bytes());
+        write(&storage, 36, &fields);
+        assert_eq!(
+            on_disk(&file, 40, 8),
+            L1.to_be_bytes(),
+            "header written early"
+        );
+        // Until that header is in the file, imago may not reuse the old table's cluster...
+        assert!(storage.settle_writes().is_err());
+        // ... and writes to either table wait for it.
+        write(&storage, NEW_L1 + 8, &[0x80; 8]);
+        write(&storage, L1, &[0x80; 8]);
+        assert_eq!(on_disk(&file, NEW_L1 + 8, 8), [0; 8]);
+        assert_eq!(on_disk(&file, L1, 8), [0; 8]);
+        assert_eq!(read(&storage, NEW_L1 + 8, 8), [0x80; 8]);
+        barrier.apply().unwrap();
+        assert_eq!(on_disk(&file, 40, 8), NEW_L1.to_be_bytes());
+        assert_eq!(on_disk(&file, NEW_L1 + 8, 8), [0x80; 8]);
+        assert!(storage.settle_writes().is_ok());
+        // The old table's cluster is free for anything now: its writes go straight through,
+        // while the new table's wait.
+        write(&storage, L1, &[7; 16]);
+        assert_eq!(on_disk(&file, L1, 16), [7; 16]);
+        write(&storage, NEW_L1, &[9; 8]);
+        assert_eq!(on_disk(&file, NEW_L1, 1), [0x80]);
+        assert!(!barrier.is_empty());
+        // A header write that moves nothing (a new size) holds no cluster back.
+        barrier.apply().unwrap();
+        write(&storage, 24, &(8 * 1024 * 1024u64).to_be_bytes());
+        assert!(storage.settle_writes().is_ok());
+        barrier.apply().unwrap();
+        assert_eq!(on_disk(&file, 24, 8), (8 * 1024 * 1024u64).to_be_bytes());
+    }
+
     #[test]
     fn read_only_files_and_raw_layers_hold_nothing() {
         let file = image();
         for (writable, qcow2) in [(false, true), (true, false)] {
             let (storage, barrier) =
                 MetadataFile::open(file.try_clone().unwrap(), writable, qcow2).unwrap();
-            assert!(barrier.held_ranges.is_empty());
+            assert!(lock(&barrier.state).on_disk.is_empty());
             if writable {
                 write(&storage, L1, &[1; 8]);
                 assert_eq!(on_disk(&file, L1, 8), [1; 8]);
@@ -464,10 +604,15 @@ mod tests {
 
     #[test]
     fn a_header_that_does_not_parse_holds_nothing() {
-        assert!(pointer_ranges(&crate::memory::tests::memfd(16)).is_empty());
-        assert_eq!(pointer_ranges(&image()).len(), 3);
+        assert!(read_header(&crate::memory::tests::memfd(16)).is_none());
+        assert_eq!(pointer_ranges(&read_header(&image()).unwrap()).len(), 3);
         let bad = image();
         bad.write_all_at(&40u32.to_be_bytes(), 20).unwrap();
-        assert!(pointer_ranges(&bad).is_empty(), "cluster_bits 40");
+        assert!(
+            pointer_ranges(&read_header(&bad).unwrap()).is_empty(),
+            "cluster_bits 40"
+        );
+        let (_, barrier) = MetadataFile::open(bad, true, true).unwrap();
+        assert!(lock(&barrier.state).on_disk.is_empty());
     }
 }

@@ -189,6 +189,9 @@ pub struct Worker {
     busy: Vec<bool>,
     next_gen: u64,
     rng: Rng,
+    /// Discard is advisory on this disk (a qcow2 image keeps the data of partial clusters):
+    /// a discarded block is not checked until it is rewritten.
+    pub advisory_discard: bool,
 }
 
 impl Worker {
@@ -201,6 +204,7 @@ impl Worker {
             busy: vec![false; blocks],
             next_gen: 1,
             rng: Rng::new(seed),
+            advisory_discard: false,
         }
     }
 
@@ -425,8 +429,13 @@ impl Worker {
                 stats.bytes.fetch_add(bytes, Ordering::Relaxed);
             }
             Kind::Discard | Kind::WriteZeroes => {
+                let now = if p.kind == Kind::Discard && self.advisory_discard {
+                    UNKNOWN
+                } else {
+                    0
+                };
                 for g in &mut self.gens[range] {
-                    *g = 0;
+                    *g = now;
                 }
                 let c = if p.kind == Kind::Discard {
                     &stats.discards

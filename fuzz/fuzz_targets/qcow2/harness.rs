@@ -201,6 +201,17 @@ fn requests(chain: &mut Qcow2Image, size: u64, cluster: u64, buf: &mut [u8], pat
         read(chain, 0, size.min(WALK), buf);
         return;
     }
+    // An online grow (ResizeDisk) moves imago's L1 table; the writes after it allocate where
+    // the old table was, and the new range is mapped like any other.
+    if chain.grow(size.saturating_add(cluster)).is_ok() {
+        assert_eq!(chain.size(), size.saturating_add(cluster), "the grown size");
+        for offset in [2 * cluster + 512, size] {
+            if offset < chain.size() {
+                let len = 1024.min(chain.size() - offset);
+                write(chain, offset, len, pat);
+            }
+        }
+    }
     if let Some((offset, len)) = inside(cluster, 2 * cluster) {
         let _ = chain.zero(offset, len, false);
     }
