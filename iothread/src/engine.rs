@@ -241,6 +241,10 @@ struct Core {
     pending: VecDeque<Token>,
     /// Slots between `begin` and their completion.
     in_flight: usize,
+    /// qcow2 discards and unmapping write-zeroes waiting for the writes in flight into their
+    /// range (see `engine/chain.rs`); each slot at most once, so the capacity reserved at
+    /// setup is never exceeded.
+    parked: VecDeque<u32>,
     /// A control message is waiting to be read.
     control_ready: bool,
     /// A `SetMemoryTable` or `Shutdown` waiting for the requests in flight to finish.
@@ -330,6 +334,10 @@ impl Engine {
         pending
             .try_reserve_exact((count as usize).saturating_add(RESERVED_OPS as usize))
             .map_err(|_| EngineError::Alloc(count))?;
+        let mut parked = VecDeque::new();
+        parked
+            .try_reserve_exact(count as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
         info!(
             "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}{}",
             uring.params().sq_entries(),
@@ -363,6 +371,7 @@ impl Engine {
                 support: FallocateSupport::default(),
                 pending,
                 in_flight: 0,
+                parked,
                 control_ready: false,
                 held: None,
                 deferred: None,
@@ -438,6 +447,7 @@ impl Engine {
             self.core.now_ns = monotonic_ns();
 
             self.reap()?;
+            self.core.retry_parked()?;
             self.core.publish();
             if let Some((request, files)) = self.core.deferred.take() {
                 self.core.handle_message(request, files)?;

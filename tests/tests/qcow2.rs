@@ -513,3 +513,107 @@ fn a_broken_l2_entry_fails_only_the_request_that_meets_it() {
     fe.finish();
     println!("an L2 entry 1 TiB past the end: that read fails with EIO, the disk serves on");
 }
+
+/// A guest that discards a range while its own write into that range is still at the device
+/// (one batch: the write, the discard, then a write that allocates) must not have the freed
+/// clusters handed out under the first write: the allocating write would get them, and the
+/// first write, landing later at the host offset it was mapped to, would overwrite its data
+/// (or an L2 or refcount table put there). The iothread holds such a discard back until the
+/// writes into its range are done. The image is on the real disk, so the first write goes
+/// through io_uring and is still in flight when the discard is taken.
+#[test]
+fn a_discard_waits_for_the_writes_at_the_device_in_its_range() {
+    use blkplane_tests::raw::{blk_header, dwz_segment, Desc, RawDevice, F_NEXT, F_WRITE};
+    use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_OUT};
+
+    const LEN: u32 = 256 * KIB as u32;
+    let dir = TempDir::new("qcow2-discard-race");
+    let image = create_qcow2(&dir.join("disk.qcow2"), "cluster_size=65536", DISK);
+    let fe = Frontend::start(&image, &[]);
+    let mut dev = RawDevice::connect(fe.socket(), 1, 256).unwrap();
+    // Buffers that outlive the rounds: two data buffers, a discard segment, three headers
+    // and status bytes.
+    let first = dev.alloc_static(u64::from(LEN));
+    let second = dev.alloc_static(u64::from(LEN));
+    let segment = dev.alloc_static(16);
+    let headers: Vec<u64> = (0..3).map(|_| dev.alloc_static(16)).collect();
+    let statuses: Vec<u64> = (0..3).map(|_| dev.alloc_static(1)).collect();
+    for round in 0..20u64 {
+        // Each round on clusters of its own: `a` allocated first, `b` not yet.
+        let a = round * 2 * MIB / 512;
+        let b = a + MIB / 512;
+        let old = pattern(round, LEN as usize);
+        assert_eq!(
+            dev.write(0, a, &old).status_u32(),
+            Some(VIRTIO_BLK_S_OK),
+            "round {round}: allocating {a}"
+        );
+        dev.mem.write(first, &pattern(round + 100, LEN as usize));
+        let allocating = pattern(round + 200, LEN as usize);
+        dev.mem.write(second, &allocating);
+        dev.mem.write(segment, &dwz_segment(a, LEN / 512, 0));
+        let requests = [
+            (VIRTIO_BLK_T_OUT, a, first, LEN),
+            (VIRTIO_BLK_T_DISCARD, 0, segment, 16),
+            (VIRTIO_BLK_T_OUT, b, second, LEN),
+        ];
+        let mut descs = Vec::new();
+        let mut heads = Vec::new();
+        for (i, (type_, sector, data, len)) in requests.into_iter().enumerate() {
+            let head = 3 * i as u16;
+            dev.mem.write(headers[i], &blk_header(type_, sector));
+            dev.mem.write(statuses[i], &[0xee]);
+            descs.push((
+                head,
+                Desc {
+                    addr: headers[i],
+                    len: 16,
+                    flags: F_NEXT,
+                    next: head + 1,
+                },
+            ));
+            descs.push((
+                head + 1,
+                Desc {
+                    addr: data,
+                    len,
+                    flags: F_NEXT,
+                    next: head + 2,
+                },
+            ));
+            descs.push((
+                head + 2,
+                Desc {
+                    addr: statuses[i],
+                    len: 1,
+                    flags: F_WRITE,
+                    next: 0,
+                },
+            ));
+            heads.push(head);
+        }
+        dev.post_batch(0, &descs, &heads);
+        for _ in 0..3 {
+            dev.wait_used(0, std::time::Duration::from_secs(20))
+                .unwrap_or_else(|| panic!("round {round}: a request of the batch never completed"));
+        }
+        for (i, status) in statuses.iter().enumerate() {
+            assert_eq!(
+                dev.mem.read(*status, 1)[0],
+                VIRTIO_BLK_S_OK as u8,
+                "round {round}: request {i} of the batch"
+            );
+        }
+        // The allocating write keeps its data, whatever became of the racing pair.
+        let got = dev.read(0, b, LEN);
+        assert_eq!(got.status_u32(), Some(VIRTIO_BLK_S_OK));
+        assert_same_data(
+            &format!("round {round}: the allocating write after the discard"),
+            &got.data[0],
+            &allocating,
+        );
+    }
+    drop(dev);
+    fe.finish();
+    assert_check_clean(&image, false);
+}

@@ -9,7 +9,8 @@
 //!   the cluster (copy-on-write of what the write leaves), the data is written into it with
 //!   `pwritev`, and only then is the mapping committed and the metadata written back, all
 //!   before the loop goes on (see [`crate::qcow2`] for why it holds nothing across the loop);
-//! - write-zeroes and discard become zero clusters through imago; a flush writes the metadata
+//! - write-zeroes and discard become zero clusters through imago (one that frees clusters
+//!   first waits for the writes at the device into its range); a flush writes the metadata
 //!   back before its fdatasync.
 //!
 //! A transfer moves at most one mapped extent; its result maps the next one. A failure of the
@@ -145,6 +146,14 @@ impl Core {
 
     /// Runs a write-zeroes' or discard's ranges on a qcow2 image, one after the other, through
     /// imago.
+    ///
+    /// A range that frees clusters (a discard, an unmapping write-zeroes) waits while a write
+    /// into it is at the device: that write goes to the host offset mapped when it started,
+    /// and a cluster freed under it may be handed out again at once — as an L2 or refcount
+    /// table too — before the write lands. (What imago's `settle_writes` is for; the engine,
+    /// which owns those writes, keeps the rule.) Only racing requests of the guest's own meet
+    /// it; the slot is parked and [`Core::retry_parked`] runs it again after the next
+    /// completions.
     pub(super) fn zero_or_discard(&mut self, slot: u32) -> Result<(), EngineError> {
         let count = self.slots.count();
         loop {
@@ -152,17 +161,29 @@ impl Core {
                 states,
                 image,
                 support,
+                parked,
                 ..
             } = self;
+            let Some((range, opcode)) = states
+                .get(slot as usize)
+                .map(|state| (state.current_range(), state.opcode()))
+            else {
+                return Err(EngineError::BadSlot { slot, count });
+            };
+            let unmap = range.is_some_and(|r| r.mode == RangeMode::PunchHole.flags());
+            if let Some(range) = range.filter(|_| opcode == Opcode::Discard || unmap) {
+                if write_at_device_over(states, slot, range.offset, range.len) {
+                    parked.push_back(slot);
+                    return Ok(());
+                }
+            }
             let state = states
                 .get_mut(slot as usize)
                 .ok_or(EngineError::BadSlot { slot, count })?;
-            let (Some(range), Some(chain)) = (state.current_range(), image.qcow2_chain_mut())
-            else {
+            let (Some(range), Some(chain)) = (range, image.qcow2_chain_mut()) else {
                 let step = state.fail(libc::EIO);
                 return self.apply(slot, step);
             };
-            let unmap = range.mode == RangeMode::PunchHole.flags();
             let result = if state.opcode() == Opcode::Discard {
                 chain.discard(range.offset, range.len)
             } else {
@@ -184,6 +205,19 @@ impl Core {
                 return self.apply(slot, step);
             }
         }
+    }
+
+    /// Runs the parked discards again (each parks itself anew while its range is still being
+    /// written).
+    pub(super) fn retry_parked(&mut self) -> Result<(), EngineError> {
+        for _ in 0..self.parked.len() {
+            // The oldest first; it may push itself back at the end.
+            let Some(slot) = self.parked.pop_front() else {
+                break;
+            };
+            self.zero_or_discard(slot)?;
+        }
+        Ok(())
     }
 
     /// Grows a qcow2 image's virtual size (the frontend's ResizeDisk); requests in flight are
@@ -214,6 +248,19 @@ impl Core {
         warn!("slot {slot}: writing the qcow2 metadata back: {error}");
         Some(self.states.get_mut(slot as usize)?.fail(errno_of(&error)))
     }
+}
+
+/// Whether a write other than `slot`'s has a transfer queued or at the device that may land
+/// in the `len` guest bytes at `offset` (it moves bytes from its current offset on).
+fn write_at_device_over(states: &[slot::SlotState], slot: u32, offset: u64, len: u64) -> bool {
+    let end = offset.saturating_add(len);
+    states.iter().enumerate().any(|(index, state)| {
+        index != slot as usize
+            && state.opcode() == Opcode::Write
+            && state.stage() == Some(Stage::Transfer)
+            && state.guest_offset() < end
+            && offset < state.guest_offset().saturating_add(state.remaining())
+    })
 }
 
 /// The slot's next transfer, limited to `len` bytes, to no file (the caller moves the data).
@@ -270,4 +317,67 @@ fn write_all(fd: RawFd, iovecs: &[libc::iovec], mut offset: u64) -> io::Result<(
         start = start.saturating_add(slot::advance(pending, written));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::Request;
+    use crate::slot::{FallocateSupport, SlotState};
+
+    /// Slots 0..3: a write of 8 KiB at 64 KiB at the device, a read at 0 at the device, an
+    /// idle slot, and a write of 8 KiB at 1 MiB that failed (idle, its offset left behind).
+    fn slots() -> Vec<SlotState> {
+        let support = FallocateSupport::default();
+        let mut states: Vec<SlotState> = (0..4).map(|_| SlotState::new(4)).collect();
+        let write = Request::Write {
+            image_offset: 65536,
+            len: 8192,
+            iovecs: 1,
+            sync: false,
+        };
+        assert_eq!(
+            states[0].begin(write, &support),
+            Step::Issue(Stage::Transfer)
+        );
+        let read = Request::Read {
+            image_offset: 0,
+            len: 8192,
+            iovecs: 1,
+        };
+        assert_eq!(
+            states[1].begin(read, &support),
+            Step::Issue(Stage::Transfer)
+        );
+        // A write that failed before moving anything: idle again, its offset left behind.
+        let failed = Request::Write {
+            image_offset: 1 << 20,
+            len: 8192,
+            iovecs: 1,
+            sync: false,
+        };
+        assert_eq!(
+            states[3].begin(failed, &support),
+            Step::Issue(Stage::Transfer)
+        );
+        assert_eq!(states[3].fail(libc::EIO), Step::Failed(libc::EIO));
+        states
+    }
+
+    #[test]
+    fn a_discard_waits_only_for_writes_at_the_device_into_its_range() {
+        let states = slots();
+        // Overlapping the write's 8 KiB at 64 KiB, at either edge.
+        assert!(write_at_device_over(&states, 2, 0, 65537));
+        assert!(write_at_device_over(&states, 2, 65536 + 8191, 4096));
+        // Next to it, on either side.
+        assert!(!write_at_device_over(&states, 2, 0, 65536));
+        assert!(!write_at_device_over(&states, 2, 65536 + 8192, 1 << 20));
+        // A read there, a write that is over, and the discard's own slot do not count.
+        assert!(!write_at_device_over(&states, 2, 0, 8192));
+        assert!(!write_at_device_over(&states, 2, 1 << 20, 4096));
+        assert!(!write_at_device_over(&states, 0, 65536, 8192));
+        // A range reaching past u64 is cut, not wrapped.
+        assert!(write_at_device_over(&states, 2, 65536, u64::MAX));
+    }
 }
