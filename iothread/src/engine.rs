@@ -447,7 +447,9 @@ impl Engine {
             self.core.now_ns = monotonic_ns();
 
             self.reap()?;
-            self.core.retry_parked()?;
+            if !self.core.parked.is_empty() {
+                self.core.retry_parked()?;
+            }
             self.core.publish();
             if let Some((request, files)) = self.core.deferred.take() {
                 self.core.handle_message(request, files)?;

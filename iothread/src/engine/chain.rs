@@ -209,6 +209,7 @@ impl Core {
 
     /// Runs the parked discards again (each parks itself anew while its range is still being
     /// written).
+    #[cold]
     pub(super) fn retry_parked(&mut self) -> Result<(), EngineError> {
         for _ in 0..self.parked.len() {
             // The oldest first; it may push itself back at the end.
