@@ -184,7 +184,7 @@ impl Core {
                 let step = state.fail(libc::EIO);
                 return self.apply(slot, step);
             };
-            let result = if state.opcode() == Opcode::Discard {
+            let result = if opcode == Opcode::Discard {
                 chain.discard(range.offset, range.len)
             } else {
                 chain.zero(range.offset, range.len, unmap)
@@ -331,36 +331,24 @@ mod tests {
     fn slots() -> Vec<SlotState> {
         let support = FallocateSupport::default();
         let mut states: Vec<SlotState> = (0..4).map(|_| SlotState::new(4)).collect();
-        let write = Request::Write {
-            image_offset: 65536,
+        let write = |image_offset| Request::Write {
+            image_offset,
             len: 8192,
             iovecs: 1,
             sync: false,
         };
-        assert_eq!(
-            states[0].begin(write, &support),
-            Step::Issue(Stage::Transfer)
-        );
         let read = Request::Read {
             image_offset: 0,
             len: 8192,
             iovecs: 1,
         };
-        assert_eq!(
-            states[1].begin(read, &support),
-            Step::Issue(Stage::Transfer)
-        );
-        // A write that failed before moving anything: idle again, its offset left behind.
-        let failed = Request::Write {
-            image_offset: 1 << 20,
-            len: 8192,
-            iovecs: 1,
-            sync: false,
-        };
-        assert_eq!(
-            states[3].begin(failed, &support),
-            Step::Issue(Stage::Transfer)
-        );
+        for (index, request) in [(0, write(65536)), (1, read), (3, write(1 << 20))] {
+            assert_eq!(
+                states[index].begin(request, &support),
+                Step::Issue(Stage::Transfer)
+            );
+        }
+        // Slot 3's write fails before moving anything: idle again, its offset left behind.
         assert_eq!(states[3].fail(libc::EIO), Step::Failed(libc::EIO));
         states
     }
