@@ -6,6 +6,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`pb`] | the generated service and messages, and the descriptor set reflection serves |
+//! | [`endpoint`] | `HOST:PORT` of a blkplaned reached over TCP, and its TLS channel |
 //! | [`names`] | lower-case names of disk states, event kinds, image formats and migration-blocker reasons |
 //! | [`limits`] | the fields of `ThrottleLimits` by QEMU's names |
 //! | [`settings`] | the optional `settings` of AddDiskRequest and DiskConfig, filled in or read |
@@ -13,6 +14,7 @@
 
 #![warn(missing_docs)]
 
+pub mod endpoint;
 pub mod limits;
 pub mod names;
 pub mod settings;

@@ -2,7 +2,9 @@
 //! metrics labels and logs, and the frontend is sent them in blocker lines; and the admin
 //! socket's suffix, which both sides rely on.
 
-use crate::pb::{DiskState, EventKind, ImageFormat, MigrationBlockerReason as Reason};
+use crate::pb::{
+    DiskState, EventKind, ImageFormat, MigrationBlockerReason as Reason, MigrationStorage,
+};
 
 /// The name of an image format as blkplanectl prints it: QEMU's (`raw`, `qcow2`), and `probe`
 /// for a disk whose frontend probes its image at each start (kept from before blkplaned kept
@@ -12,6 +14,16 @@ pub fn format_name(format: ImageFormat) -> &'static str {
         ImageFormat::Unspecified => "probe",
         ImageFormat::Raw => "raw",
         ImageFormat::Qcow2 => "qcow2",
+    }
+}
+
+/// The name of how a migrated disk's contents reach the destination node, as blkplanectl
+/// prints it and takes it (`shared`, `local`).
+pub fn storage_name(storage: MigrationStorage) -> &'static str {
+    match storage {
+        MigrationStorage::Unspecified => "unspecified",
+        MigrationStorage::Shared => "shared",
+        MigrationStorage::Local => "local",
     }
 }
 
@@ -51,6 +63,8 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::IothreadRestarted => "iothread_restarted",
         EventKind::ThrottleChanged => "throttle_changed",
         EventKind::Snapshot => "snapshot",
+        EventKind::MigrationOutgoing => "migration_outgoing",
+        EventKind::MigrationCancelled => "migration_cancelled",
     }
 }
 
@@ -59,7 +73,7 @@ pub fn kind_name(kind: EventKind) -> &'static str {
 pub const ADMIN_SOCKET_SUFFIX: &str = ".admin";
 
 /// The width of the longest [`kind_name`], so that a column of kinds stays aligned.
-pub const KIND_NAME_WIDTH: usize = 18;
+pub const KIND_NAME_WIDTH: usize = 19;
 
 /// The lower-case name of a reason, as blkplanectl prints it and the frontend logs it.
 pub fn reason_name(reason: Reason) -> &'static str {

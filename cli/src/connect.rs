@@ -9,13 +9,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use blkplane_api::endpoint::HostPort;
 use blkplane_api::names::ADMIN_SOCKET_SUFFIX;
 use thiserror::Error;
 use tokio::io::AsyncReadExt;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Channel, Endpoint};
 
 /// Where blkplanectl looks for blkplaned when neither option nor variable names it: the
 /// control socket of a blkplaned started with its embedded default in the same directory.
@@ -88,23 +89,11 @@ impl Address {
                 path => Ok(Address::Unix(PathBuf::from(path))),
             };
         }
-        let (host, port) = text
+        let HostPort { host, port } = text
             .strip_prefix("tcp:")
-            .and_then(|rest| rest.rsplit_once(':'))
+            .and_then(HostPort::parse)
             .ok_or_else(bad)?;
-        let host = match host.strip_prefix('[') {
-            Some(inner) => inner.strip_suffix(']').ok_or_else(bad)?,
-            None if host.contains(':') => return Err(bad()),
-            None => host,
-        };
-        let port: u16 = port.parse().map_err(|_| bad())?;
-        if host.is_empty() || port == 0 {
-            return Err(bad());
-        }
-        Ok(Address::Tcp {
-            host: host.to_string(),
-            port,
-        })
+        Ok(Address::Tcp { host, port })
     }
 }
 
@@ -400,21 +389,12 @@ impl Target {
                 Endpoint::from_shared(format!("unix:{}", socket.display()))
                     .map_err(|e| self.unreachable(chain(&e)))
             }
-            (Address::Tcp { host, port }, Some(tls)) => {
-                let uri_host = if host.contains(':') {
-                    format!("[{host}]")
-                } else {
-                    host.clone()
-                };
-                let config = ClientTlsConfig::new()
-                    .ca_certificate(Certificate::from_pem(&tls.ca))
-                    .identity(Identity::from_pem(&tls.cert, &tls.key))
-                    .domain_name(host.clone());
-                Endpoint::from_shared(format!("https://{uri_host}:{port}"))
-                    .map_err(|e| self.unreachable(chain(&e)))?
-                    .tls_config(config)
-                    .map_err(|e| ConnectError::TlsConfig(chain(&e)))
+            (Address::Tcp { host, port }, Some(tls)) => HostPort {
+                host: host.clone(),
+                port: *port,
             }
+            .tls_endpoint(&tls.ca, &tls.cert, &tls.key)
+            .map_err(|e| ConnectError::TlsConfig(chain(&e))),
             // `target_in` gives every TCP target its TLS material.
             (Address::Tcp { .. }, None) => Err(ConnectError::TlsMissing {
                 endpoint: self.address.to_string(),

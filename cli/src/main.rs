@@ -14,12 +14,14 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use blkplane_api::endpoint::HostPort;
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
     GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ImageFormat,
-    ListDisksRequest, MigrationStatus, RemoveDiskRequest, RemoveMigrationBlockerRequest,
-    ResizeDiskRequest, ResumeDiskRequest, SnapshotRequest, ThrottleConfig, WatchEventsRequest,
+    IncomingFrom, ListDisksRequest, MigrationSourceRequest, MigrationStatus, MigrationStorage,
+    RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest,
+    SnapshotRequest, ThrottleConfig, WatchEventsRequest,
 };
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use connect::{ConnectArgs, ConnectError, Target};
@@ -101,7 +103,8 @@ enum Cmd {
 #[derive(Debug, Subcommand)]
 enum DiskCmd {
     /// Add a disk: start its frontend and wait until its vhost-user socket accepts VMMs.
-    Add(AddArgs),
+    // Boxed: its many options would make every other command as large.
+    Add(Box<AddArgs>),
     /// Remove a disk (refused while a VMM is connected, unless --force).
     Remove {
         /// The disk.
@@ -149,6 +152,16 @@ enum DiskCmd {
     Resume {
         /// The disk.
         id: String,
+    },
+    /// A live migration of a disk to another node, on the source node: --cancel forgets the
+    /// disk's outgoing migration (blkplaned on the destination node does this itself when its
+    /// incoming disk is removed; this is for when it cannot). The disk serves on untouched.
+    Migrate {
+        /// The disk.
+        id: String,
+        /// Cancel its migration to another node.
+        #[arg(long, required = true)]
+        cancel: bool,
     },
     /// Migration blockers: why a disk must not be live-migrated.
     #[command(subcommand)]
@@ -198,6 +211,26 @@ enum BlockerCmd {
     },
 }
 
+/// `--incoming-from HOST:PORT/SRC`.
+fn parse_incoming_from(s: &str) -> Result<IncomingFrom, String> {
+    let bad = || {
+        format!(
+            "{s:?} is not HOST:PORT/SRC: the source node's blkplaned (HOST a name, an IPv4 \
+             address or [IPv6]) and the disk's id there"
+        )
+    };
+    let (endpoint, disk) = s.rsplit_once('/').ok_or_else(bad)?;
+    let endpoint = HostPort::parse(endpoint).ok_or_else(bad)?;
+    if disk.is_empty() {
+        return Err(bad());
+    }
+    Ok(IncomingFrom {
+        endpoint: endpoint.to_string(),
+        disk: disk.to_string(),
+        storage: MigrationStorage::Unspecified as i32,
+    })
+}
+
 fn parse_reason(s: &str) -> Result<i32, String> {
     blkplane_api::names::parse_reason(s).ok_or_else(|| {
         format!("{s:?} is not a reason: use backup, maintenance or other (or a number)")
@@ -208,8 +241,9 @@ fn parse_reason(s: &str) -> Result<i32, String> {
 struct AddArgs {
     /// The disk's name: [A-Za-z0-9._-], at most 64 characters, not starting with '.'.
     id: String,
-    /// The image: a regular file or a block device [with --incoming-for: the source's].
-    #[arg(long, value_name = "PATH", required_unless_present = "incoming_for")]
+    /// The image: a regular file or a block device [with --incoming-for or --incoming-from:
+    /// the source's].
+    #[arg(long, value_name = "PATH", required_unless_present_any = ["incoming_for", "incoming_from"])]
     image: Option<PathBuf>,
     /// Request queues (1..=256) [default: 1].
     #[arg(long, value_name = "N")]
@@ -253,6 +287,19 @@ struct AddArgs {
     /// serial, queues, queue size, block size) default to SRC's and must match them.
     #[arg(long, value_name = "SRC")]
     incoming_for: Option<String>,
+    /// Add the disk as the destination of a live migration of disk SRC on another node,
+    /// whose blkplaned serves its API at HOST:PORT (its --listen tcp:); this node's blkplaned
+    /// reaches it with its --peer-tls-* files, and refuses the disk if that node refuses the
+    /// migration. What the guest sees defaults to SRC's and must match it; once the VMM runs
+    /// the VM here, that node retires SRC. With --shared the image is on storage both nodes
+    /// reach: --image names it as this node sees it [default: SRC's path].
+    #[arg(long, value_name = "HOST:PORT/SRC", conflicts_with = "incoming_for",
+          value_parser = parse_incoming_from)]
+    incoming_from: Option<IncomingFrom>,
+    /// With --incoming-from: the image is on shared storage (nothing is copied). Without it
+    /// the image would be copied from the source node, which is not built yet (refused).
+    #[arg(long, requires = "incoming_from")]
+    shared: bool,
     /// Run the disk's processes as this user, group and supplementary groups (numeric ids;
     /// blkplaned must run as root) [default: blkplaned's user].
     #[arg(long, value_name = "UID:GID[:GROUP,...]")]
@@ -578,6 +625,14 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
                 id: a.id,
                 settings: Some(settings),
                 incoming_for: a.incoming_for.unwrap_or_default(),
+                incoming_from: a.incoming_from.map(|from| IncomingFrom {
+                    storage: if a.shared {
+                        MigrationStorage::Shared
+                    } else {
+                        MigrationStorage::Local
+                    } as i32,
+                    ..from
+                }),
             };
             let disk = client.add_disk(req).await?.into_inner();
             match format {
@@ -595,6 +650,32 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
             match format {
                 Format::Json => print_json(&json!({ "removed": id })),
                 Format::Table => println!("removed {id}"),
+            }
+        }
+        Cmd::Disk(DiskCmd::Migrate { id, cancel: _ }) => {
+            let cancelled = client
+                .cancel_migration_source(MigrationSourceRequest {
+                    id: id.clone(),
+                    destination: None,
+                })
+                .await?
+                .into_inner()
+                .cancelled;
+            match format {
+                Format::Json => print_json(&json!({
+                    "id": id,
+                    "cancelled": cancelled.as_ref().map(|c| json!({
+                        "node": c.node,
+                        "disk": c.disk,
+                    })),
+                })),
+                Format::Table => match cancelled {
+                    Some(c) => println!(
+                        "disk {id}: the live migration to disk {} on node {} was cancelled",
+                        c.disk, c.node
+                    ),
+                    None => println!("disk {id} had no live migration to another node"),
+                },
             }
         }
         Cmd::Disk(DiskCmd::List) => {

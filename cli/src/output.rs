@@ -11,10 +11,12 @@ use blkplane_proto::v1::{LatencyHistogram, QueueStats, QueueStatus, ResizeDone};
 use serde_json::{json, Value};
 
 use blkplane_api::limits::set_limits;
-use blkplane_api::names::{format_name, kind_name, reason_name, state_name, KIND_NAME_WIDTH};
+use blkplane_api::names::{
+    format_name, kind_name, reason_name, state_name, storage_name, KIND_NAME_WIDTH,
+};
 use blkplane_api::pb::{
     CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind, ImageFormat,
-    MigrationBlocker, MigrationBlockerReason, MigrationStatus,
+    MigrationBlocker, MigrationBlockerReason, MigrationStatus, MigrationStorage,
 };
 use blkplane_api::time::format_time;
 
@@ -179,6 +181,16 @@ pub fn disk_json(d: &Disk) -> Value {
             "poll_max_us": s.poll_max_us,
             "vhost_socket": s.vhost_socket,
             "incoming_for": c.incoming_for,
+            "incoming_from": c.incoming_from.as_ref().map(|f| json!({
+                "endpoint": f.endpoint,
+                "disk": f.disk,
+                "storage": migration_storage_name(f.storage),
+            })).unwrap_or(Value::Null),
+            "outgoing": c.outgoing.as_ref().map(|o| json!({
+                "node": o.node,
+                "disk": o.disk,
+                "storage": migration_storage_name(o.storage),
+            })).unwrap_or(Value::Null),
             "run_as": s.run_as.as_ref().map(|r| json!({
                 "uid": r.uid,
                 "gid": r.gid,
@@ -188,6 +200,21 @@ pub fn disk_json(d: &Disk) -> Value {
         "queues": d.queues.iter().map(queue_status_json).collect::<Vec<_>>(),
         "throttle": d.throttle.as_ref().map(throttle_json).unwrap_or(Value::Null),
     })
+}
+
+/// The name of a MigrationStorage value (`unknown` for a number this build does not know).
+fn migration_storage_name(storage: i32) -> &'static str {
+    MigrationStorage::try_from(storage).map_or("unknown", storage_name)
+}
+
+/// Where an incoming disk migrates from, as `disk list` and `disk show` name it: the source's
+/// id on this node, or `SRC@HOST:PORT` on another; `None` for a disk that is not incoming.
+fn incoming_source(c: &blkplane_api::pb::DiskConfig) -> Option<String> {
+    match &c.incoming_from {
+        Some(f) => Some(format!("{}@{}", f.disk, f.endpoint)),
+        None if !c.incoming_for.is_empty() => Some(c.incoming_for.clone()),
+        None => None,
+    }
 }
 
 fn pid_or_dash(pid: u32) -> String {
@@ -201,16 +228,15 @@ fn pid_or_dash(pid: u32) -> String {
 /// `disk list` as a table. The INCOMING column (the source an incoming disk migrates from)
 /// is there only while some disk is incoming, so that the usual table stays narrow.
 pub fn disks_table(disks: &[Disk]) -> String {
-    let incoming = disks.iter().any(|d| {
-        d.config
-            .as_ref()
-            .is_some_and(|c| !c.incoming_for.is_empty())
-    });
+    let incoming = disks
+        .iter()
+        .any(|d| d.config.as_ref().and_then(incoming_source).is_some());
     let rows: Vec<Vec<String>> = disks
         .iter()
         .map(|d| {
             let c = d.config.clone().unwrap_or_default();
             let s = c.settings_or_default();
+            let source = incoming_source(&c);
             let mut row = vec![
                 c.id,
                 disk_state(d).into(),
@@ -226,11 +252,7 @@ pub fn disks_table(disks: &[Disk]) -> String {
                 yes_no(d.migratable).into(),
             ];
             if incoming {
-                row.push(if c.incoming_for.is_empty() {
-                    "-".into()
-                } else {
-                    c.incoming_for
-                });
+                row.push(source.unwrap_or_else(|| "-".into()));
             }
             row.push(s.vhost_socket);
             row
@@ -267,6 +289,29 @@ pub fn disk_detail(d: &Disk) -> String {
             format!(
                 "{} (live-migration destination; takes over once its VMM runs the rings)",
                 c.incoming_for
+            ),
+        ));
+    }
+    if let Some(f) = &c.incoming_from {
+        rows.push((
+            "incoming from",
+            format!(
+                "disk {} on {} ({} storage; live-migration destination; takes over once its \
+                 VMM runs the rings and that node has retired the source)",
+                f.disk,
+                f.endpoint,
+                migration_storage_name(f.storage)
+            ),
+        ));
+    }
+    if let Some(o) = &c.outgoing {
+        rows.push((
+            "migrating to",
+            format!(
+                "disk {} on node {} ({} storage; retired once the VM runs there)",
+                o.disk,
+                o.node,
+                migration_storage_name(o.storage)
             ),
         ));
     }
@@ -891,11 +936,11 @@ mod tests {
         };
         assert_eq!(
             event_line(&e),
-            "1970-01-01T00:00:00.000Z  restarted           disk0  pid 7  m"
+            "1970-01-01T00:00:00.000Z  restarted            disk0  pid 7  m"
         );
         // The longest kind keeps the disk column where the others have it.
         let long = Event {
-            kind: EventKind::IothreadRestarted as i32,
+            kind: EventKind::MigrationCancelled as i32,
             ..e.clone()
         };
         assert_eq!(

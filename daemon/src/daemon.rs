@@ -2,8 +2,9 @@
 //! persist), removing (check, persist, stop), reading, resizing, statistics, draining and
 //! resuming. Its child modules hold the rest of the daemon's jobs: [`blockers`] (migration
 //! blockers), [`startup`] (directories, locks, orphan sweep, adoption), [`takeover`] (the
-//! takeover of an incoming disk from its live-migration source) and [`limits`] (I/O limits and
-//! throttle groups).
+//! takeover of an incoming disk from its live-migration source), [`remote`] (an incoming disk
+//! whose source is on another node: asking that node), [`outgoing`] (the source side of a
+//! migration to another node) and [`limits`] (I/O limits and throttle groups).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,6 +23,7 @@ use crate::frontend;
 use crate::migration::{self};
 use crate::paths::DiskPaths;
 use crate::pb::{self, AddDiskRequest, DiskState, DiskStatistics, EventKind};
+use crate::peer::{PeerError, Peers};
 use crate::runtime::serving;
 use crate::settings::{RestartPolicy, Settings};
 use crate::state::{
@@ -35,6 +37,8 @@ use blkplane_api::names::state_name;
 
 mod blockers;
 mod limits;
+mod outgoing;
+mod remote;
 mod snapshot;
 mod startup;
 mod takeover;
@@ -62,6 +66,10 @@ pub struct Config {
     pub poll_interval: Duration,
     /// The size cap of each disk's log, checked at every poll.
     pub disk_log: DiskLogLimit,
+    /// This node's name, as other nodes' blkplaned record it as a migration's destination.
+    pub node_name: String,
+    /// How other nodes' blkplaned are reached (live migration across nodes).
+    pub peers: Peers,
 }
 
 /// Failed operations. Each maps to one gRPC status code (see `service.rs`).
@@ -100,6 +108,24 @@ pub enum DaemonError {
         origin: String,
         /// Its incoming disk.
         destination: String,
+    },
+    /// ResizeDisk or Snapshot of a disk in a live migration across nodes: the other node's
+    /// frontend, on the same image, would keep the old capacity or image.
+    #[error("disk {id}: a live migration across nodes is under way ({what}); try again once it has finished or is cancelled")]
+    MigratingAcross {
+        /// The disk asked for.
+        id: String,
+        /// Which migration, for people.
+        what: String,
+    },
+    /// Another node's blkplaned, which a migration across nodes needs, could not be asked or
+    /// refused.
+    #[error("{field}: {source}")]
+    Peer {
+        /// The request field that named the other node.
+        field: &'static str,
+        /// What failed.
+        source: PeerError,
     },
     /// RemoveMigrationBlocker of a reason the disk has no operator blocker for.
     #[error("reason: disk {id} has no {reason} blocker")]
@@ -174,6 +200,10 @@ pub struct Daemon {
     /// Set once every disk of the state loaded at start-up has been adopted or started (or
     /// its first start has failed): see [`Daemon::startup_done`].
     startup_done: AtomicBool,
+    /// This node's name (`--node-name`).
+    node_name: String,
+    /// Other nodes' blkplaned.
+    peers: Peers,
     _locks: [DirLock; 2],
 }
 
@@ -231,6 +261,15 @@ impl Daemon {
         change: impl FnOnce(&mut DiskLifecycle),
     ) -> Result<(), DaemonError> {
         let _ops = self.ops.lock().await;
+        self.change_lifecycle_held(disk, change)
+    }
+
+    /// [`Daemon::change_lifecycle`] for a caller that holds `ops` already.
+    fn change_lifecycle_held(
+        &self,
+        disk: &DiskHandle,
+        change: impl FnOnce(&mut DiskLifecycle),
+    ) -> Result<(), DaemonError> {
         let old = disk.runtime().lifecycle;
         disk.update(|rt| change(&mut rt.lifecycle));
         if let Err(e) = self.persist() {
@@ -341,6 +380,19 @@ impl Daemon {
                     .collect();
             (d.config(), blockers)
         });
+        // A source migrating to another node has its destination already.
+        if let Some(outgoing) = lock(&self.disks)
+            .get(&req.incoming_for)
+            .and_then(|d| d.runtime().lifecycle.outgoing)
+        {
+            return Err(ValidationError::FailedPrecondition {
+                field: "incoming_for",
+                reason: format!(
+                    "disk {} is being migrated to {outgoing}; cancel that first",
+                    req.incoming_for
+                ),
+            });
+        }
         let incoming = self
             .migration_of_id(&req.incoming_for)
             .map(|(_, destination)| destination);
@@ -381,7 +433,33 @@ impl Daemon {
             }
             .into());
         }
-        let req = self.resolve_incoming(&req)?;
+        let Some((from, endpoint)) = validate::check_incoming_from(&req)? else {
+            let req = self.resolve_incoming(&req)?;
+            return self.add_checked(req, None).await;
+        };
+        // The source node agrees (and records the migration) first; anything that fails
+        // after that is undone there too.
+        let source = self
+            .prepare_remote_source(&req.id, &from, &endpoint)
+            .await?;
+        let added = match validate::resolve_remote_incoming(&req, &from, &source) {
+            Ok(req) => self.add_checked(req, Some(&source)).await,
+            Err(e) => Err(e.into()),
+        };
+        if added.is_err() {
+            self.cancel_remote_source(&req.id, &from, &endpoint).await;
+        }
+        added
+    }
+
+    /// The rest of AddDisk, for a request whose migration source (if any) was resolved:
+    /// check it, start the frontend, persist, supervise. `remote_source` is the source on
+    /// another node, as that node described it, for the capacity check.
+    async fn add_checked(
+        &self,
+        req: AddDiskRequest,
+        remote_source: Option<&pb::Disk>,
+    ) -> Result<pb::Disk, DaemonError> {
         let (spec, identity) = validate::check_add(&req, &self.ctx)?;
         self.check_conflicts(&spec, identity)?;
         let throttle_setting = self.incoming_throttle(&spec)?;
@@ -410,6 +488,26 @@ impl Daemon {
                 });
             }
         };
+        // Shared storage: the image this node names must be the source's. The capacity the
+        // frontend found is what the guest would see.
+        if let Some(source) = remote_source {
+            let here = started.status.capacity_bytes;
+            if here != source.capacity_bytes {
+                started.frontend.stop(Duration::from_secs(5)).await;
+                frontend::remove_files(&paths);
+                return Err(ValidationError::Invalid {
+                    field: "settings.image",
+                    reason: format!(
+                        "{} holds {here} bytes here, but the migration source has {} bytes: \
+                         not the same image (an incoming disk on shared storage serves the \
+                         source's image, as this node names it)",
+                        spec.image.display(),
+                        source.capacity_bytes
+                    ),
+                }
+                .into());
+            }
+        }
         let mut state = Self::state_from(&lock(&self.disks));
         state.disks.push(StoredDisk {
             spec: spec.clone(),
@@ -440,12 +538,17 @@ impl Daemon {
             EventKind::Added,
             &spec.id,
             pid,
-            match &spec.incoming_for {
-                None => format!("serving on {}", spec.vhost_socket.display()),
-                Some(source) => format!(
+            match (&spec.incoming_for, &spec.incoming_from) {
+                (Some(source), _) => format!(
                     "serving on {}; incoming live-migration destination of disk {source}",
                     spec.vhost_socket.display()
                 ),
+                (None, Some(from)) => format!(
+                    "serving on {}; incoming live-migration destination of {from} ({})",
+                    spec.vhost_socket.display(),
+                    from.storage.name()
+                ),
+                (None, None) => format!("serving on {}", spec.vhost_socket.display()),
             },
         );
         Ok(self.disk_info(&handle, false).await)
@@ -470,6 +573,23 @@ impl Daemon {
                 return Err(DaemonError::VmmConnected(id.to_string()));
             }
         }
+        let incoming_from = disk.runtime().incoming_from;
+        self.forget_and_stop(id, &disk, String::new()).await?;
+        // An incoming disk from another node: that node's source forgets the migration.
+        if let Some(from) = incoming_from {
+            self.cancel_incoming_from(id, &from).await;
+        }
+        Ok(())
+    }
+
+    /// Removes disk `id` from the table and the persisted state, stops its processes, and
+    /// emits REMOVED with `message`. Callers hold `ops`.
+    async fn forget_and_stop(
+        &self,
+        id: &str,
+        disk: &DiskHandle,
+        message: String,
+    ) -> Result<(), DaemonError> {
         // Persist first: once the call returns the disk must not come back, even if blkplaned
         // dies while stopping it (a restart then sweeps what is left as an orphan).
         let mut state = Self::state_from(&lock(&self.disks));
@@ -479,7 +599,7 @@ impl Daemon {
         let pid = disk.runtime().pid;
         disk.stop().await;
         self.drop_group_if_empty(&disk.runtime().lifecycle.throttle.group);
-        self.events.emit(EventKind::Removed, id, pid, "");
+        self.events.emit(EventKind::Removed, id, pid, message);
         Ok(())
     }
 
@@ -499,7 +619,7 @@ impl Daemon {
         let blockers = disk.refresh_migration();
         let s = rt.status.unwrap_or_default();
         pb::Disk {
-            config: Some(disk.config().to_pb()),
+            config: Some(disk.config_pb()),
             state: rt.state as i32,
             state_reason: rt.reason,
             vmm_connected: rt.pid != 0 && s.vmm_connected,
@@ -564,6 +684,7 @@ impl Daemon {
                 destination,
             });
         }
+        self.refuse_while_outgoing(id, &disk)?;
         let admin_err = |source| DaemonError::Admin {
             id: id.to_string(),
             source,

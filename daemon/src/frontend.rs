@@ -21,7 +21,7 @@ use tokio::io::unix::AsyncFd;
 use crate::admin::{self};
 use crate::disk_log;
 use crate::paths::{pid_tmp, DiskPaths};
-use crate::state::{DiskSpec, RunAsSpec};
+use crate::state::{DiskSpec, MigrationStorage, RunAsSpec};
 use crate::throttle;
 use blkplane_procfs as proc;
 
@@ -254,6 +254,15 @@ pub fn frontend_args(
     }
     if drained {
         args.push("--drained".into());
+    }
+    // A destination on storage another node wrote last: its page cache of the image may be
+    // stale until the rings start.
+    if spec
+        .incoming_from
+        .as_ref()
+        .is_some_and(|from| from.storage == MigrationStorage::Shared)
+    {
+        args.push("--incoming-shared".into());
     }
     args
 }
@@ -713,7 +722,7 @@ pub async fn sweep_orphan(disks_dir: &Path, id: &str, protected: &BTreeSet<PathB
 mod tests {
     use super::*;
     use crate::settings::RestartPolicy;
-    use crate::state::Cache;
+    use crate::state::{Cache, RemoteSource};
 
     fn spec() -> DiskSpec {
         DiskSpec {
@@ -730,6 +739,7 @@ mod tests {
             iothread_cpus: "0-1".into(),
             vhost_socket: "/run/d.sock".into(),
             incoming_for: None,
+            incoming_from: None,
             run_as: None,
             poll_max_us: None,
         }
@@ -783,6 +793,22 @@ mod tests {
         }
         let drained = frontend_args(&spec(), &paths, true, None, &[]);
         assert_eq!(drained.last().unwrap(), "--drained");
+        // An incoming disk on shared storage drops its stale page cache; nothing else does.
+        let incoming = DiskSpec {
+            incoming_from: Some(RemoteSource {
+                endpoint: "node-a:7070".into(),
+                disk: "a".into(),
+                storage: MigrationStorage::Shared,
+            }),
+            ..spec()
+        };
+        assert_eq!(
+            frontend_args(&incoming, &paths, false, None, &[])
+                .last()
+                .unwrap(),
+            "--incoming-shared"
+        );
+        assert!(!drained.iter().any(|a| a == "--incoming-shared"));
         // The disk's own user, else blkplaned's --disk-user.
         let own = RunAsSpec {
             uid: 107,

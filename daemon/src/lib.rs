@@ -25,6 +25,7 @@
 //! | [`stats`] | a frontend's per-queue statistics added up (GetStats `total`) |
 //! | [`sync`] | the poison-ignoring lock every module takes |
 //! | [`server`] | listeners (UNIX, TCP+TLS), health and reflection |
+//! | [`peer`] | reaching another node's blkplaned (TCP, mutual TLS) for a migration across nodes |
 //! | [`metrics`] | the `--metrics-listen` HTTP endpoint: Prometheus metrics, `/healthz`, `/readyz` |
 //! | [`runtime`] | what a disk looks like right now (state, pid, restarts, last status) |
 //! | [`paths`] | a disk's files in the runtime directory |
@@ -40,6 +41,7 @@ pub mod frontend;
 pub mod metrics;
 pub mod migration;
 pub mod paths;
+pub mod peer;
 pub mod runtime;
 pub mod server;
 pub mod service;

@@ -16,6 +16,7 @@ use blkplane_daemon::daemon::{Config, Daemon};
 use blkplane_daemon::disk_log::{self, DiskLogLimit};
 use blkplane_daemon::metrics;
 use blkplane_daemon::pb::{AddDiskRequest, Disk};
+use blkplane_daemon::peer::{PeerTls, Peers};
 use blkplane_daemon::server::{self, ApiHealth, Listen};
 use blkplane_daemon::settings::RestartPolicy;
 use blkplane_daemon::state::{RunAsSpec, StateStore};
@@ -60,6 +61,21 @@ struct Args {
     /// PEM CA that client certificates must be signed by (TCP only; required).
     #[arg(long, value_name = "FILE")]
     tls_client_ca: Option<PathBuf>,
+    /// This node's name, as other nodes' blkplaned record it when a disk migrates here (1 to
+    /// 64 characters of [A-Za-z0-9._-]) [default: the host name].
+    #[arg(long, value_name = "NAME")]
+    node_name: Option<String>,
+    /// PEM CA that other nodes' blkplaned certificates must be signed by, to reach them for a
+    /// live migration across nodes (with --peer-tls-cert and --peer-tls-key).
+    #[arg(long, value_name = "FILE", requires_all = ["peer_tls_cert", "peer_tls_key"])]
+    peer_tls_ca: Option<PathBuf>,
+    /// PEM client certificate (chain) this blkplaned shows other nodes' blkplaned, signed by
+    /// the CA of their --tls-client-ca.
+    #[arg(long, value_name = "FILE", requires_all = ["peer_tls_ca", "peer_tls_key"])]
+    peer_tls_cert: Option<PathBuf>,
+    /// PEM private key of --peer-tls-cert.
+    #[arg(long, value_name = "FILE", requires_all = ["peer_tls_ca", "peer_tls_cert"])]
+    peer_tls_key: Option<PathBuf>,
     /// The blkplane-frontend binary [default: next to this executable].
     #[arg(long, value_name = "PATH")]
     frontend_binary: Option<PathBuf>,
@@ -225,6 +241,20 @@ async fn run(args: Args) -> Result<(), String> {
                 .into(),
         );
     }
+    let node_name = match args.node_name {
+        Some(name) => name,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .map_err(|e| format!("reading the host name for --node-name: {e}"))?,
+    };
+    validate::check_id_in("--node-name", &node_name).map_err(|e| {
+        format!("{e} (the host name, unless --node-name gives another: name this node with it)")
+    })?;
+    let peers = match (args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key) {
+        (Some(ca), Some(cert), Some(key)) => Peers::new(Some(PeerTls::read(&ca, &cert, &key)?)),
+        // clap requires all three together.
+        _ => Peers::new(None),
+    };
     let first_run = !StateStore::new(&state_dir).exists();
     let daemon = Daemon::open(Config {
         state_dir,
@@ -253,6 +283,8 @@ async fn run(args: Args) -> Result<(), String> {
             max_bytes: args.disk_log_max_bytes,
             keep: args.disk_log_keep,
         },
+        node_name,
+        peers,
     })
     .await
     .map_err(|e| e.to_string())?;

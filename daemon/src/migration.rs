@@ -147,6 +147,14 @@ pub fn blockers(rt: &Runtime, now_ms: u64) -> Vec<Blocker> {
                  its VMM has started the rings (and disk {source} is retired)"
             ),
         ));
+    } else if let Some(source) = &rt.incoming_from {
+        out.push(Blocker::automatic(
+            Reason::Incoming,
+            format!(
+                "destination of a live migration of {source}: it becomes migratable once its \
+                 VMM has started the rings (and the source is retired)"
+            ),
+        ));
     }
     if let Some(s) = status {
         if s.vmm_connected && s.acked_protocol_features & PROTOCOL_F_LOG_SHMFD == 0 {
@@ -191,6 +199,7 @@ mod tests {
             lifecycle: DiskLifecycle::default(),
             restarted_unix_ms: 0,
             incoming_for: None,
+            incoming_from: None,
         }
     }
 

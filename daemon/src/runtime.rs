@@ -4,7 +4,7 @@
 use blkplane_proto::v1::FrontendStatus;
 
 use crate::pb::DiskState;
-use crate::state::DiskLifecycle;
+use crate::state::{DiskLifecycle, RemoteSource};
 
 /// What a disk looks like right now (shared between the supervisor and the API).
 #[derive(Debug, Clone)]
@@ -29,6 +29,17 @@ pub struct Runtime {
     /// The disk this one is the incoming live-migration destination of, until it takes over
     /// (persisted with the configuration; see `DiskHandle::config` in the supervisor).
     pub incoming_for: Option<String>,
+    /// The disk on another node this one is the incoming live-migration destination of,
+    /// until it takes over (persisted with the configuration, like `incoming_for`).
+    pub incoming_from: Option<RemoteSource>,
+}
+
+impl Runtime {
+    /// Whether the disk is the destination of a live migration that has not taken over yet
+    /// (from this node or another).
+    pub fn is_incoming(&self) -> bool {
+        self.incoming_for.is_some() || self.incoming_from.is_some()
+    }
 }
 
 /// Whether a frontend in `state` serves (the admin channel is expected to answer).

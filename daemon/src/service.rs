@@ -11,11 +11,13 @@ use crate::daemon::{Daemon, DaemonError};
 use crate::events::EventStream;
 use crate::pb::control_server::Control;
 use crate::pb::{
-    AddDiskRequest, AddMigrationBlockerRequest, Disk, DrainDiskRequest, DrainDiskResponse,
-    GetDiskRequest, GetStatsRequest, GetStatsResponse, GetThrottleRequest, GetVersionRequest,
-    ListDisksRequest, ListDisksResponse, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
+    AddDiskRequest, AddMigrationBlockerRequest, CancelMigrationSourceResponse, Disk,
+    DrainDiskRequest, DrainDiskResponse, GetDiskRequest, GetStatsRequest, GetStatsResponse,
+    GetThrottleRequest, GetVersionRequest, ListDisksRequest, ListDisksResponse,
+    MigrationSourceRequest, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
     RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse,
-    SetThrottleRequest, SnapshotRequest, ThrottleConfig, VersionInfo, WatchEventsRequest,
+    RetireMigrationSourceResponse, SetThrottleRequest, SnapshotRequest, ThrottleConfig,
+    VersionInfo, WatchEventsRequest,
 };
 use crate::validate::ValidationError;
 
@@ -42,11 +44,14 @@ pub fn to_status(e: DaemonError) -> Status {
             ValidationError::AlreadyExists { .. } => Status::already_exists(msg),
             ValidationError::FailedPrecondition { .. } => Status::failed_precondition(msg),
             ValidationError::ResourceExhausted { .. } => Status::resource_exhausted(msg),
+            ValidationError::Unimplemented { .. } => Status::unimplemented(msg),
         },
         DaemonError::NotFound(_) | DaemonError::NoSuchBlocker { .. } => Status::not_found(msg),
+        DaemonError::Peer { source, .. } => Status::new(source.code(), msg),
         DaemonError::VmmConnected(_)
         | DaemonError::Drained(_)
         | DaemonError::Migrating { .. }
+        | DaemonError::MigratingAcross { .. }
         | DaemonError::NotRunning { .. }
         | DaemonError::Shrink { .. }
         | DaemonError::Refused { .. } => Status::failed_precondition(msg),
@@ -70,7 +75,12 @@ impl Control for ControlService {
     async fn add_disk(&self, request: Request<AddDiskRequest>) -> Result<Response<Disk>, Status> {
         let req = request.into_inner();
         let image = req.settings.as_ref().map_or("", |s| s.image.as_str());
-        if req.incoming_for.is_empty() {
+        if let Some(from) = &req.incoming_from {
+            info!(
+                "AddDisk {:?} image {image:?} incoming from disk {:?} on {:?}",
+                req.id, from.disk, from.endpoint
+            );
+        } else if req.incoming_for.is_empty() {
             info!("AddDisk {:?} image {image:?}", req.id);
         } else {
             info!(
@@ -126,6 +136,57 @@ impl Control for ControlService {
             .await
             .map_err(|e| logged("ResizeDisk", e))?;
         Ok(Response::new(done))
+    }
+
+    async fn prepare_migration_source(
+        &self,
+        request: Request<MigrationSourceRequest>,
+    ) -> Result<Response<Disk>, Status> {
+        let req = request.into_inner();
+        info!(
+            "PrepareMigrationSource {:?} to {:?}",
+            req.id, req.destination
+        );
+        let disk = self
+            .daemon
+            .prepare_migration_source(&req)
+            .await
+            .map_err(|e| logged("PrepareMigrationSource", e))?;
+        Ok(Response::new(disk))
+    }
+
+    async fn retire_migration_source(
+        &self,
+        request: Request<MigrationSourceRequest>,
+    ) -> Result<Response<RetireMigrationSourceResponse>, Status> {
+        let req = request.into_inner();
+        let outcome = self
+            .daemon
+            .retire_migration_source(&req)
+            .await
+            .map_err(|e| logged("RetireMigrationSource", e))?;
+        Ok(Response::new(RetireMigrationSourceResponse {
+            outcome: outcome as i32,
+        }))
+    }
+
+    async fn cancel_migration_source(
+        &self,
+        request: Request<MigrationSourceRequest>,
+    ) -> Result<Response<CancelMigrationSourceResponse>, Status> {
+        let req = request.into_inner();
+        info!(
+            "CancelMigrationSource {:?} to {:?}",
+            req.id, req.destination
+        );
+        let cancelled = self
+            .daemon
+            .cancel_migration_source(&req)
+            .await
+            .map_err(|e| logged("CancelMigrationSource", e))?;
+        Ok(Response::new(CancelMigrationSourceResponse {
+            cancelled: cancelled.as_ref().map(|c| c.to_pb()),
+        }))
     }
 
     async fn snapshot(&self, request: Request<SnapshotRequest>) -> Result<Response<Disk>, Status> {

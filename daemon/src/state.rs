@@ -180,6 +180,10 @@ pub struct DiskSpec {
     /// over (then `None`). Absent in files written before live migration existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incoming_for: Option<String>,
+    /// The disk on another node this one is the incoming live-migration destination of,
+    /// until it has taken over (then `None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incoming_from: Option<RemoteSource>,
     /// The user the disk's processes run as (DiskSettings `run_as`); `None`: blkplaned's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as: Option<RunAsSpec>,
@@ -187,6 +191,103 @@ pub struct DiskSpec {
     /// `None`: the frontend's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_max_us: Option<u32>,
+}
+
+/// How a migrated disk's contents reach the destination node (the API's MigrationStorage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigrationStorage {
+    /// Both nodes reach the image: nothing is copied.
+    Shared,
+    /// The image is the source node's own: its contents are copied.
+    Local,
+}
+
+impl MigrationStorage {
+    /// The API value.
+    pub fn to_pb(self) -> pb::MigrationStorage {
+        match self {
+            MigrationStorage::Shared => pb::MigrationStorage::Shared,
+            MigrationStorage::Local => pb::MigrationStorage::Local,
+        }
+    }
+
+    /// The stored value of an API value; `None` for UNSPECIFIED (or an unknown number).
+    pub fn from_pb(value: i32) -> Option<MigrationStorage> {
+        match pb::MigrationStorage::try_from(value).ok()? {
+            pb::MigrationStorage::Shared => Some(MigrationStorage::Shared),
+            pb::MigrationStorage::Local => Some(MigrationStorage::Local),
+            pb::MigrationStorage::Unspecified => None,
+        }
+    }
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            MigrationStorage::Shared => "shared storage",
+            MigrationStorage::Local => "local storage",
+        }
+    }
+}
+
+/// The source of a live migration from another node (AddDiskRequest `incoming_from`), as
+/// stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteSource {
+    /// The source node's blkplaned, `HOST:PORT`.
+    pub endpoint: String,
+    /// The source disk's id there.
+    pub disk: String,
+    /// How the contents reach this node.
+    pub storage: MigrationStorage,
+}
+
+impl RemoteSource {
+    /// The API value.
+    pub fn to_pb(&self) -> pb::IncomingFrom {
+        pb::IncomingFrom {
+            endpoint: self.endpoint.clone(),
+            disk: self.disk.clone(),
+            storage: self.storage.to_pb() as i32,
+        }
+    }
+}
+
+impl std::fmt::Display for RemoteSource {
+    /// `disk D on HOST:PORT`, as messages name the source.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "disk {} on {}", self.disk, self.endpoint)
+    }
+}
+
+/// The destination of a live migration to another node (PrepareMigrationSource), as the
+/// source node stores it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutgoingMigration {
+    /// The destination node's name (its `--node-name`).
+    pub node: String,
+    /// The destination disk's id there.
+    pub disk: String,
+    /// How the contents reach that node.
+    pub storage: MigrationStorage,
+}
+
+impl OutgoingMigration {
+    /// The API value.
+    pub fn to_pb(&self) -> pb::OutgoingMigration {
+        pb::OutgoingMigration {
+            node: self.node.clone(),
+            disk: self.disk.clone(),
+            storage: self.storage.to_pb() as i32,
+        }
+    }
+}
+
+impl std::fmt::Display for OutgoingMigration {
+    /// `disk D on node N`, as messages name the destination.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "disk {} on node {}", self.disk, self.node)
+    }
 }
 
 /// A disk's configured user, as stored.
@@ -220,6 +321,9 @@ impl DiskSpec {
             id: self.id.clone(),
             settings: Some(self.settings()),
             incoming_for: self.incoming_for.clone().unwrap_or_default(),
+            incoming_from: self.incoming_from.as_ref().map(RemoteSource::to_pb),
+            // The lifecycle's; see `DiskHandle::config_pb` in the supervisor.
+            outgoing: None,
         }
     }
 
@@ -316,6 +420,10 @@ pub struct DiskLifecycle {
     /// not throttled).
     #[serde(default, skip_serializing_if = "ThrottleSetting::is_none")]
     pub throttle: ThrottleSetting,
+    /// The live migration to another node the disk is the source of (PrepareMigrationSource),
+    /// until it is retired or the migration is cancelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outgoing: Option<OutgoingMigration>,
 }
 
 /// One disk in the state file: its configuration, its lifecycle settings and its frontend
@@ -545,6 +653,7 @@ mod tests {
             iothread_cpus: "0-1".into(),
             vhost_socket: PathBuf::from(format!("/run/{id}.sock")),
             incoming_for: None,
+            incoming_from: None,
             run_as: None,
             poll_max_us: Some(50),
         }
@@ -608,6 +717,7 @@ mod tests {
                 since_unix_ms: 5,
             }],
             throttle: ThrottleSetting::default(),
+            outgoing: None,
         };
         let state = State {
             version: STATE_VERSION,
@@ -701,6 +811,47 @@ mod tests {
         assert_eq!(text.matches("incoming_for").count(), 1, "{text}");
         assert_eq!(state.disks[1].spec.to_pb().incoming_for, "a");
         assert_eq!(state.disks[0].spec.to_pb().incoming_for, "");
+    }
+
+    #[test]
+    fn a_migration_across_nodes_is_persisted_and_shown() {
+        let scratch = blkplane_tests::TempDir::new("across");
+        let dir = scratch.path().to_path_buf();
+        let store = StateStore::new(&dir);
+        let mut a = stored("a");
+        a.lifecycle.outgoing = Some(OutgoingMigration {
+            node: "node-b".into(),
+            disk: "b".into(),
+            storage: MigrationStorage::Shared,
+        });
+        let mut b = stored("b");
+        b.spec.incoming_from = Some(RemoteSource {
+            endpoint: "node-a.example:7070".into(),
+            disk: "a".into(),
+            storage: MigrationStorage::Shared,
+        });
+        let state = State {
+            version: STATE_VERSION,
+            disks: vec![a, b, stored("c")],
+        };
+        store.save(&state).unwrap();
+        assert_eq!(store.load().unwrap(), state);
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        // Written only where set; files without them read as no migration.
+        assert_eq!(text.matches("\"outgoing\"").count(), 1, "{text}");
+        assert_eq!(text.matches("\"incoming_from\"").count(), 1, "{text}");
+        assert_eq!(text.matches("\"storage\": \"shared\"").count(), 2, "{text}");
+        let b = state.disks[1].spec.to_pb();
+        let from = b.incoming_from.unwrap();
+        assert_eq!(from.endpoint, "node-a.example:7070");
+        assert_eq!(from.storage, pb::MigrationStorage::Shared as i32);
+        assert_eq!(state.disks[2].spec.to_pb().incoming_from, None);
+        assert_eq!(
+            MigrationStorage::from_pb(pb::MigrationStorage::Local as i32),
+            Some(MigrationStorage::Local)
+        );
+        assert_eq!(MigrationStorage::from_pb(0), None);
+        assert_eq!(MigrationStorage::from_pb(99), None);
     }
 
     #[test]

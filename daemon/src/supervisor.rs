@@ -28,7 +28,7 @@ use crate::paths::DiskPaths;
 use crate::pb::{self, DiskState, EventKind, MigrationBlockerReason};
 use crate::runtime::{serving, Runtime};
 use crate::settings::{RestartPolicy, Settings};
-use crate::state::{DiskLifecycle, DiskSpec};
+use crate::state::{DiskLifecycle, DiskSpec, OutgoingMigration};
 use crate::sync::lock;
 use crate::throttle;
 use blkplane_api::names::reason_name;
@@ -62,9 +62,10 @@ pub enum TakeoverWait {
 /// One disk: its configuration, its runtime state, and its supervision task.
 #[derive(Debug)]
 pub struct DiskHandle {
-    /// The configuration as added. Its `incoming_for` is always `None` here: whether the disk
-    /// is still incoming changes while it runs, so that lives in [`Runtime::incoming_for`];
-    /// [`DiskHandle::config`] has both together.
+    /// The configuration as added. Its `incoming_for` and `incoming_from` are always `None`
+    /// here: whether the disk is still incoming changes while it runs, so that lives in
+    /// [`Runtime::incoming_for`] and [`Runtime::incoming_from`]; [`DiskHandle::config`] has
+    /// them together.
     pub spec: DiskSpec,
     /// Its files.
     pub paths: DiskPaths,
@@ -104,6 +105,7 @@ impl DiskHandle {
     ) -> Arc<DiskHandle> {
         // One place for a value that changes: the runtime (see the `spec` field).
         let incoming_for = spec.incoming_for.take();
+        let incoming_from = spec.incoming_from.take();
         let paths = DiskPaths::new(&settings.disks_dir, &spec);
         let (stop_tx, stop_rx) = watch::channel(false);
         let (state, pid, status, throttle_pushed) = match &initial {
@@ -130,6 +132,7 @@ impl DiskHandle {
                 lifecycle,
                 restarted_unix_ms: 0,
                 incoming_for,
+                incoming_from,
             }),
             events: events.clone(),
             stop_tx,
@@ -160,11 +163,23 @@ impl DiskHandle {
     }
 
     /// The disk's configuration now, as it is persisted and shown: [`DiskHandle::spec`] with
-    /// the current `incoming_for`.
+    /// the current `incoming_for` and `incoming_from`.
     pub fn config(&self) -> DiskSpec {
+        let rt = lock(&self.runtime);
         DiskSpec {
-            incoming_for: lock(&self.runtime).incoming_for.clone(),
+            incoming_for: rt.incoming_for.clone(),
+            incoming_from: rt.incoming_from.clone(),
             ..self.spec.clone()
+        }
+    }
+
+    /// The API view of the configuration: [`DiskHandle::config`] with the outgoing migration
+    /// the lifecycle records.
+    pub fn config_pb(&self) -> crate::pb::DiskConfig {
+        let outgoing = lock(&self.runtime).lifecycle.outgoing.clone();
+        crate::pb::DiskConfig {
+            outgoing: outgoing.as_ref().map(OutgoingMigration::to_pb),
+            ..self.config().to_pb()
         }
     }
 
@@ -435,7 +450,8 @@ async fn supervise(
                 let rt = disk.runtime();
                 let throttle = disk.throttle_request(&rt);
                 let drained = rt.lifecycle.drained;
-                match start_throttled(&settings, &disk.spec, &disk.paths, drained, &throttle).await
+                match start_throttled(&settings, &disk.config(), &disk.paths, drained, &throttle)
+                    .await
                 {
                     Ok(Started {
                         frontend: fe,

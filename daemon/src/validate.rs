@@ -26,7 +26,9 @@ pub use disk::{
     DEFAULT_QUEUE_SIZE, MAX_IOTHREADS, MAX_POLL_MAX_US, MAX_QUEUES, MAX_QUEUE_SIZE, MAX_SERIAL_LEN,
     MAX_SOCKET_PATH,
 };
-pub use incoming::{resolve_incoming, MigrationSource};
+pub use incoming::{
+    check_incoming_from, resolve_incoming, resolve_remote_incoming, MigrationSource,
+};
 
 /// Longest disk id.
 pub const MAX_ID_LEN: usize = 64;
@@ -77,6 +79,14 @@ pub enum ValidationError {
         /// What is full.
         reason: String,
     },
+    /// The field asks for something blkplaned cannot do yet (UNIMPLEMENTED).
+    #[error("{field}: {reason}")]
+    Unimplemented {
+        /// The request field.
+        field: &'static str,
+        /// What is not built.
+        reason: String,
+    },
 }
 
 impl ValidationError {
@@ -87,7 +97,8 @@ impl ValidationError {
             | ValidationError::NotFound { field, .. }
             | ValidationError::AlreadyExists { field, .. }
             | ValidationError::FailedPrecondition { field, .. }
-            | ValidationError::ResourceExhausted { field, .. } => field,
+            | ValidationError::ResourceExhausted { field, .. }
+            | ValidationError::Unimplemented { field, .. } => field,
         }
     }
 }
@@ -122,7 +133,7 @@ pub fn check_id(id: &str) -> Result<(), ValidationError> {
 }
 
 /// [`check_id`] for a disk id in request field `field`.
-fn check_id_in(field: &'static str, id: &str) -> Result<(), ValidationError> {
+pub fn check_id_in(field: &'static str, id: &str) -> Result<(), ValidationError> {
     if id.is_empty() {
         return Err(invalid(field, "must not be empty"));
     }

@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -179,6 +180,23 @@ impl Image {
             }
             ImageSpec::Null { size } => Ok(Self::Null { size: *size }),
         }
+    }
+
+    /// Drops the clean pages of the image (and of a qcow2 image's external data file) from
+    /// this node's page cache (`POSIX_FADV_DONTNEED`), so that the next reads come from the
+    /// storage. Returns whether there was a file (a null image has none).
+    pub fn drop_cached_pages(&self) -> io::Result<bool> {
+        let Self::File(file) = self else {
+            return Ok(false);
+        };
+        for f in std::iter::once(&file.buffered).chain(file.data_file.as_ref()) {
+            // SAFETY: fadvise on a descriptor this image owns; no memory is passed.
+            let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            if rc != 0 {
+                return Err(io::Error::from_raw_os_error(rc));
+            }
+        }
+        Ok(true)
     }
 
     /// Size in bytes: the disk's capacity.

@@ -84,6 +84,12 @@ struct Args {
     /// restarts the frontend of a drained disk this way).
     #[arg(long, requires = "admin_socket")]
     drained: bool,
+    /// A live-migration destination on storage another node wrote (blkplaned's
+    /// `incoming_from` with shared storage): before the first ring starts, and so before any
+    /// request is served, drop what this node's page cache holds of the image, which may
+    /// predate the source node's last writes.
+    #[arg(long)]
+    incoming_shared: bool,
     /// Bound of the adaptive polling, in microseconds: a worker with requests in flight
     /// watches its avail rings for the driver's next request, and an iothread with nothing at
     /// the device its submission queue for the worker's next slot, up to this long before
@@ -265,13 +271,16 @@ fn run(args: Args) -> Result<(), String> {
         workers.push(worker);
     }
     let workers = Workers::new(workers);
-    let backend = Arc::new(Mutex::new(BlkBackend::new(
-        Arc::clone(&disk),
-        Arc::clone(&status),
-        Arc::clone(&backend_channel),
-        Arc::clone(&image),
-        workers.clone(),
-    )));
+    let backend = Arc::new(Mutex::new(
+        BlkBackend::new(
+            Arc::clone(&disk),
+            Arc::clone(&status),
+            Arc::clone(&backend_channel),
+            Arc::clone(&image),
+            workers.clone(),
+        )
+        .with_stale_cache(args.incoming_shared),
+    ));
     let quiescer = Arc::new(Quiescer::new(
         workers.clone(),
         Arc::clone(&image),

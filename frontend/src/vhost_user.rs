@@ -12,7 +12,7 @@ use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use log::{info, warn};
+use log::{error, info, warn};
 use vhost::vhost_user::message::{
     VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
     VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
@@ -75,6 +75,9 @@ pub struct BlkBackend {
     acked_refusal: bool,
     /// SET_OWNER was received on this connection: it starts a session, once.
     owned: bool,
+    /// What this node's page cache holds of the image may be older than the image (another
+    /// node wrote it last: `--incoming-shared`): dropped before the first ring starts.
+    stale_cache: bool,
 }
 
 /// The most regions one SET_MEM_TABLE may carry: the spec's "up to 8"
@@ -119,6 +122,32 @@ impl BlkBackend {
             image,
             acked_refusal: false,
             owned: false,
+            stale_cache: false,
+        }
+    }
+
+    /// With `stale`, the node's page cache of the image is dropped before the first ring
+    /// starts (a live-migration destination whose image another node wrote last).
+    pub fn with_stale_cache(mut self, stale: bool) -> Self {
+        self.stale_cache = stale;
+        self
+    }
+
+    /// Drops the image's pages from this node's page cache, once, if they may be stale.
+    /// Until a ring starts no request has read the image here, so from then on every read
+    /// comes from the image as the source node left it (it fdatasync'ed it when its rings
+    /// stopped, before the VMM handed the VM over).
+    fn drop_stale_cache(&mut self) {
+        if !std::mem::take(&mut self.stale_cache) {
+            return;
+        }
+        match self.image.drop_cached_pages() {
+            Ok(true) => info!("dropped this node's cached pages of the image before serving"),
+            Ok(false) => {}
+            Err(e) => error!(
+                "dropping this node's cached pages of the image failed: {e}; reads may \
+                 return data older than the migration source's last writes"
+            ),
         }
     }
 
@@ -189,6 +218,8 @@ impl BlkBackend {
         if !(vring.enabled || implicit_enable) {
             return Ok(());
         }
+        self.drop_stale_cache();
+        let vring = self.vring(u32::from(index))?;
         let translate = |addr: u64, what: &str| {
             memory.vmm_to_guest(addr).ok_or_else(|| {
                 invalid(&format!(

@@ -68,7 +68,8 @@ const RUNTIME: &[i64] = &[
 
 /// The frontend, after start-up: vhost-user sessions (accept, messages with fds, guest memory
 /// maps, inflight memfds), the admin channel (a thread per connection), eventfds and timerfds
-/// for its workers, fdatasync for flushes, drains and migration, and iothreads by way of its
+/// for its workers, fdatasync for flushes, drains and migration, fadvise for a migration's stale
+/// page cache, and iothreads by way of its
 /// spawner (socket pairs, pidfds).
 const FRONTEND: &[i64] = &[
     libc::SYS_accept4,
@@ -82,6 +83,8 @@ const FRONTEND: &[i64] = &[
     libc::SYS_fallocate,
     libc::SYS_fdatasync,
     libc::SYS_fsync,
+    // A live-migration destination on shared storage drops its stale page cache of the image.
+    libc::SYS_fadvise64,
     libc::SYS_eventfd2,
     libc::SYS_timerfd_create,
     libc::SYS_timerfd_settime,

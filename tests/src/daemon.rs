@@ -440,6 +440,41 @@ impl Drop for Watcher {
     }
 }
 
+/// The events of `kind` for `disk` the watcher has seen so far.
+pub fn events_of(watcher: &Watcher, kind: &str, disk: &str) -> Vec<Json> {
+    watcher
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.get("kind").str() == kind && e.get("disk_id").str() == disk)
+        .cloned()
+        .collect()
+}
+
+/// Adds a disk with blkplanectl and returns its JSON.
+#[track_caller]
+pub fn add_disk(d: &Daemon, id: &str, image: &Path, extra: &[&str]) -> Json {
+    let mut args = vec!["disk", "add", id, "--image", image.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let mut all = vec!["-o", "json"];
+    all.extend_from_slice(&args);
+    Json::parse(&d.ctl_ok(&all))
+}
+
+/// A disk's vhost-user socket, from its JSON.
+pub fn socket_of(disk: &Json) -> PathBuf {
+    PathBuf::from(disk.get("config").get("vhost_socket").str())
+}
+
+/// Whether a disk's frontend reports a running ring, from its JSON.
+pub fn any_ring_running(disk: &Json) -> bool {
+    disk.get("queues")
+        .arr()
+        .iter()
+        .any(|q| q.get("running").bool())
+}
+
 /// The reason names of a disk's migration blockers (`disk show -o json`).
 pub fn blocker_reasons(disk: &Json) -> Vec<String> {
     disk.get("migration_blockers")

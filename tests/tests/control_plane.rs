@@ -166,20 +166,6 @@ fn verify_round(socket: &Path, disk: u64, round: u64) {
     }
 }
 
-/// Adds a disk with blkplanectl and returns its JSON.
-#[track_caller]
-fn add_disk(d: &Daemon, id: &str, image: &Path, extra: &[&str]) -> Json {
-    let mut args = vec!["disk", "add", id, "--image", image.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let mut all = vec!["-o", "json"];
-    all.extend_from_slice(&args);
-    Json::parse(&d.ctl_ok(&all))
-}
-
-fn socket_of(disk: &Json) -> PathBuf {
-    PathBuf::from(disk.get("config").get("vhost_socket").str())
-}
-
 // ---------------------------------------------------------------------------------------------
 // The tests.
 
@@ -1731,26 +1717,6 @@ fn migration_blockers() {
 
 // ---------------------------------------------------------------------------------------------
 // Live migration on one node.
-
-/// Whether a disk's frontend reports a running ring, from its JSON.
-fn any_ring_running(disk: &Json) -> bool {
-    disk.get("queues")
-        .arr()
-        .iter()
-        .any(|q| q.get("running").bool())
-}
-
-/// The events of `kind` for `disk` the watcher has seen so far.
-fn events_of(watcher: &Watcher, kind: &str, disk: &str) -> Vec<Json> {
-    watcher
-        .events
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|e| e.get("kind").str() == kind && e.get("disk_id").str() == disk)
-        .cloned()
-        .collect()
-}
 
 /// A live migration between two libblkio "VMMs" on one node, as blkplaned sees it. Disk `a`
 /// serves the source VMM, which wrote a verified pattern and keeps its rings running; disk

@@ -43,6 +43,7 @@ impl Daemon {
                 destination,
             });
         }
+        self.refuse_while_outgoing(id, &disk)?;
         let old = disk.config();
         let socket = disk.paths.admin_socket.clone();
         let was_drained = disk.runtime().lifecycle.drained;

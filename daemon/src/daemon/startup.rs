@@ -76,6 +76,8 @@ impl Daemon {
             disks: Mutex::new(BTreeMap::new()),
             ops: tokio::sync::Mutex::new(()),
             startup_done: AtomicBool::new(false),
+            node_name: config.node_name,
+            peers: config.peers,
             _locks: locks,
         });
         daemon.sweep_orphans(&state).await;

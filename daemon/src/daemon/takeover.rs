@@ -1,6 +1,7 @@
 //! The takeover of an incoming disk (a live-migration destination) from its source on this
 //! node: which disks are ready for it, the check that the source no longer serves a running
-//! ring, the swap in the disk table, and the watcher that tries every poll interval.
+//! ring, the swap in the disk table, and the watcher that tries every poll interval (which
+//! also hands incoming disks whose source is on another node to `remote`).
 
 use std::sync::Weak;
 use std::time::Duration;
@@ -41,7 +42,7 @@ impl Daemon {
             .values()
             .filter(|d| {
                 let rt = d.runtime();
-                rt.incoming_for.is_some()
+                rt.is_incoming()
                     && rt.pid != 0
                     && serving(rt.state)
                     && rt
@@ -69,10 +70,7 @@ impl Daemon {
             return Ok(());
         };
         let rt = disk.runtime();
-        let Some(source_id) = rt.incoming_for.clone() else {
-            return Ok(());
-        };
-        if rt.pid == 0 || !serving(rt.state) {
+        if !rt.is_incoming() || rt.pid == 0 || !serving(rt.state) {
             return Ok(());
         }
         let status = admin::status(&disk.paths.admin_socket)
@@ -85,6 +83,12 @@ impl Daemon {
         if status.pid != rt.pid || !migration::destination_runs(&status) {
             return Ok(());
         }
+        let Some(source_id) = rt.incoming_for.clone() else {
+            return match &rt.incoming_from {
+                Some(from) => self.take_over_remote(&disk, from).await,
+                None => Ok(()),
+            };
+        };
         let source = lock(&self.disks).get(&source_id).cloned();
         if let Some(src) = &source {
             if let Some(wait) = self.source_serves(src).await {

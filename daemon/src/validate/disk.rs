@@ -520,16 +520,21 @@ pub fn check_add(
         }
     };
     let (identity, format) = check_image(&s.image, block_size, format, &ctx.image_dirs)?;
-    if format == Format::Qcow2 && !req.incoming_for.is_empty() {
+    let incoming_from = super::check_incoming_from(req)?.map(|(from, _)| from);
+    if format == Format::Qcow2 && (!req.incoming_for.is_empty() || incoming_from.is_some()) {
         // Each frontend keeps the image's metadata (L2 tables, refcounts) in its iothread and
         // writes it back from there: two frontends on one qcow2 image would allocate the same
         // clusters.
+        let (field, source) = match &incoming_from {
+            Some(from) => ("incoming_from", from.to_string()),
+            None => ("incoming_for", format!("disk {}", req.incoming_for)),
+        };
         return Err(ValidationError::FailedPrecondition {
-            field: "incoming_for",
+            field,
             reason: format!(
-                "the image {} of disk {} is qcow2, and live migration of a qcow2 disk is not \
+                "the image {} of {source} is qcow2, and live migration of a qcow2 disk is not \
                  supported yet (both frontends would cache and write its metadata)",
-                s.image, req.incoming_for
+                s.image
             ),
         });
     }
@@ -551,6 +556,7 @@ pub fn check_add(
         iothread_cpus,
         vhost_socket,
         incoming_for: (!req.incoming_for.is_empty()).then(|| req.incoming_for.clone()),
+        incoming_from,
         run_as,
         poll_max_us: s.poll_max_us,
     };

@@ -5,8 +5,9 @@ use std::path::Path;
 
 use super::disk::image_identity;
 use super::{check_id_in, invalid, ValidationError};
-use crate::pb::{AddDiskRequest, ImageFormat};
-use crate::state::DiskSpec;
+use crate::pb::{AddDiskRequest, DiskSettings, ImageFormat};
+use crate::state::{DiskSpec, MigrationStorage, RemoteSource};
+use blkplane_api::endpoint::HostPort;
 use blkplane_api::names::format_name;
 
 /// The source disk of an incoming disk, as [`resolve_incoming`] needs to see it.
@@ -104,6 +105,103 @@ pub fn resolve_incoming(
             }
         }
     }
+    let device = src.to_pb().settings.unwrap_or_default();
+    take_device(req, &asked, settings, &device, name)
+}
+
+/// Checks the form of AddDiskRequest `incoming_from` (the source node itself is asked by the
+/// caller) and returns it as stored, with the endpoint parsed; `None` without it.
+pub fn check_incoming_from(
+    req: &AddDiskRequest,
+) -> Result<Option<(RemoteSource, HostPort)>, ValidationError> {
+    let Some(from) = &req.incoming_from else {
+        return Ok(None);
+    };
+    if !req.incoming_for.is_empty() {
+        return Err(invalid(
+            "incoming_from",
+            "set together with incoming_for: a disk migrates from one source, on this node \
+             (incoming_for) or on another (incoming_from)",
+        ));
+    }
+    let endpoint = HostPort::parse(&from.endpoint).ok_or_else(|| {
+        invalid(
+            "incoming_from.endpoint",
+            format!(
+                "{:?} is not HOST:PORT (HOST a name, an IPv4 address or [IPv6]; PORT 1 to \
+                 65535): the source node's blkplaned, as its --listen tcp: serves",
+                from.endpoint
+            ),
+        )
+    })?;
+    check_id_in("incoming_from.disk", &from.disk)?;
+    let storage = match MigrationStorage::from_pb(from.storage) {
+        Some(MigrationStorage::Shared) => MigrationStorage::Shared,
+        Some(MigrationStorage::Local) => {
+            return Err(ValidationError::Unimplemented {
+                field: "incoming_from.storage",
+                reason: "local: copying a disk's contents to another node while the guest \
+                         runs is not built yet; an image on storage both nodes reach migrates \
+                         with shared"
+                    .into(),
+            })
+        }
+        None => {
+            return Err(invalid(
+                "incoming_from.storage",
+                format!(
+                    "{} is not shared or local: say how the disk's contents reach this node",
+                    from.storage
+                ),
+            ))
+        }
+    };
+    Ok(Some((
+        RemoteSource {
+            endpoint: endpoint.to_string(),
+            disk: from.disk.clone(),
+            storage,
+        },
+        endpoint,
+    )))
+}
+
+/// An incoming disk from another node (`incoming_from`, already checked by
+/// [`check_incoming_from`]) against its source there, `source` as that node's blkplaned
+/// described it when it agreed to the migration: the request with what the guest sees taken
+/// from the source where the request leaves it zero or empty (as [`resolve_incoming`] does)
+/// and, for shared storage, the image: the request's path (the image as this node names
+/// it) or the source's. That it is the same image is checked by its size against the
+/// source's capacity, by the caller, once the path is checked.
+pub fn resolve_remote_incoming(
+    req: &AddDiskRequest,
+    from: &RemoteSource,
+    source: &crate::pb::Disk,
+) -> Result<AddDiskRequest, ValidationError> {
+    let src = source
+        .config
+        .as_ref()
+        .and_then(|c| c.settings.clone())
+        .unwrap_or_default();
+    let asked = req.settings.clone().unwrap_or_default();
+    let mut settings = asked.clone();
+    if asked.image.is_empty() {
+        settings.image = src.image.clone();
+    }
+    take_device(req, &asked, settings, &src, &from.to_string())
+}
+
+/// The request with the settings the guest sees (`read_only`, `serial`, `num_queues`,
+/// `queue_size`, `block_size`, `format`) taken from the migration source's settings `src`
+/// (the source named `name` in messages) into `settings` where `asked` leaves them zero or
+/// empty; a value `asked` does set must be the source's.
+fn take_device(
+    req: &AddDiskRequest,
+    asked: &DiskSettings,
+    mut settings: DiskSettings,
+    src: &DiskSettings,
+    name: &str,
+) -> Result<AddDiskRequest, ValidationError> {
     // A value set in the request must be the source's; zero or empty takes the source's.
     let differs = |field: &'static str, requested: String, source: String| {
         invalid(
@@ -137,13 +235,13 @@ pub fn resolve_incoming(
         (
             "settings.num_queues",
             asked.num_queues,
-            u32::from(src.num_queues),
+            src.num_queues,
             &mut settings.num_queues,
         ),
         (
             "settings.queue_size",
             asked.queue_size,
-            u32::from(src.queue_size),
+            src.queue_size,
             &mut settings.queue_size,
         ),
         (
@@ -158,11 +256,11 @@ pub fn resolve_incoming(
         }
         *slot = source;
     }
-    // The source's kept format; one kept from before formats were (`None`) is probed again by
-    // check_add, on the same image.
-    if let Some(format) = src.format {
-        let format = format.to_pb();
-        if asked.format != 0 && asked.format != format as i32 {
+    // The source's kept format; one kept from before formats were (UNSPECIFIED) is probed
+    // again by check_add, on the same image.
+    if let Ok(format) = ImageFormat::try_from(src.format) {
+        if format != ImageFormat::Unspecified && asked.format != 0 && asked.format != format as i32
+        {
             let asked_name = ImageFormat::try_from(asked.format)
                 .map(format_name)
                 .unwrap_or("an unknown format");
@@ -172,7 +270,9 @@ pub fn resolve_incoming(
                 format_name(format).to_string(),
             ));
         }
-        settings.format = format as i32;
+        if format != ImageFormat::Unspecified {
+            settings.format = format as i32;
+        }
     }
     Ok(AddDiskRequest {
         settings: Some(settings),
@@ -211,6 +311,7 @@ mod tests {
         let req = AddDiskRequest {
             id: "dst".into(),
             incoming_for: "src".into(),
+            incoming_from: None,
             settings: Some(DiskSettings {
                 iothreads: 2,
                 ..Default::default()
@@ -417,5 +518,120 @@ mod tests {
         );
         assert_eq!(e.field(), "incoming_for");
         assert!(e.to_string().contains("operator_backup: nightly"), "{e}");
+    }
+
+    fn from(endpoint: &str, disk: &str, storage: MigrationStorage) -> crate::pb::IncomingFrom {
+        crate::pb::IncomingFrom {
+            endpoint: endpoint.into(),
+            disk: disk.into(),
+            storage: storage.to_pb() as i32,
+        }
+    }
+
+    #[test]
+    fn incoming_from_is_checked_field_by_field() {
+        let req = |incoming_from| AddDiskRequest {
+            id: "dst".into(),
+            incoming_from: Some(incoming_from),
+            ..Default::default()
+        };
+        let (source, endpoint) = check_incoming_from(&req(from(
+            "[fd00::1]:7070",
+            "vd1",
+            MigrationStorage::Shared,
+        )))
+        .unwrap()
+        .unwrap();
+        assert_eq!(source.endpoint, "[fd00::1]:7070");
+        assert_eq!((endpoint.host.as_str(), endpoint.port), ("fd00::1", 7070));
+        assert_eq!(source.disk, "vd1");
+        assert_eq!(
+            check_incoming_from(&AddDiskRequest::default()).unwrap(),
+            None
+        );
+        for (bad, field) in [
+            (
+                from("node-a", "vd1", MigrationStorage::Shared),
+                "incoming_from.endpoint",
+            ),
+            (
+                from("node-a:7070/vd1", "vd1", MigrationStorage::Shared),
+                "incoming_from.endpoint",
+            ),
+            (
+                from("node-a:7070", "", MigrationStorage::Shared),
+                "incoming_from.disk",
+            ),
+            (
+                from("node-a:7070", "../x", MigrationStorage::Shared),
+                "incoming_from.disk",
+            ),
+        ] {
+            let e = check_incoming_from(&req(bad)).unwrap_err();
+            assert!(matches!(e, ValidationError::Invalid { .. }), "{e:?}");
+            assert_eq!(e.field(), field);
+        }
+        let unspecified = crate::pb::IncomingFrom {
+            storage: 0,
+            ..from("node-a:7070", "vd1", MigrationStorage::Shared)
+        };
+        assert_eq!(
+            check_incoming_from(&req(unspecified)).unwrap_err().field(),
+            "incoming_from.storage"
+        );
+        // Copying a local disk is not built: said as such, not as a bad argument.
+        let e = check_incoming_from(&req(from("node-a:7070", "vd1", MigrationStorage::Local)))
+            .unwrap_err();
+        assert!(matches!(e, ValidationError::Unimplemented { .. }), "{e:?}");
+        // One source at a time.
+        let both = AddDiskRequest {
+            incoming_for: "a".into(),
+            ..req(from("node-a:7070", "vd1", MigrationStorage::Shared))
+        };
+        assert_eq!(
+            check_incoming_from(&both).unwrap_err().field(),
+            "incoming_from"
+        );
+    }
+
+    #[test]
+    fn a_remote_source_gives_its_device_and_path() {
+        let tmp = Tmp::new("remote");
+        let src = source_spec(&tmp);
+        let described = crate::pb::Disk {
+            config: Some(src.to_pb()),
+            capacity_bytes: 1 << 20,
+            ..Default::default()
+        };
+        let remote = RemoteSource {
+            endpoint: "node-a:7070".into(),
+            disk: "src".into(),
+            storage: MigrationStorage::Shared,
+        };
+        let req = AddDiskRequest {
+            id: "dst".into(),
+            incoming_from: Some(remote.to_pb()),
+            ..Default::default()
+        };
+        let resolved = resolve_remote_incoming(&req, &remote, &described).unwrap();
+        let (spec, _) = check_add(&resolved, &ctx(&tmp)).unwrap();
+        assert_eq!(spec.image, src.image);
+        assert_eq!((spec.read_only, spec.serial.as_str()), (true, "SER-1"));
+        assert_eq!(
+            (spec.num_queues, spec.queue_size, spec.block_size),
+            (4, 128, 4096)
+        );
+        assert_eq!(spec.incoming_from, Some(remote.clone()));
+        // The image as this node names it is the request's; the device must be the source's,
+        // named with the node in the message.
+        let mut other = req.clone();
+        other.settings_mut().image = "/elsewhere/src.img".into();
+        let resolved = resolve_remote_incoming(&other, &remote, &described).unwrap();
+        assert_eq!(resolved.settings.unwrap().image, "/elsewhere/src.img");
+        let mut serial = req.clone();
+        serial.settings_mut().serial = "OTHER".into();
+        let e = resolve_remote_incoming(&serial, &remote, &described).unwrap_err();
+        assert_eq!(e.field(), "settings.serial");
+        assert!(e.to_string().contains("disk src on node-a:7070"), "{e}");
     }
 }

@@ -1,0 +1,109 @@
+//! A blkplaned reached over TCP: `HOST:PORT` as blkplanectl's `--endpoint tcp:` and
+//! AddDiskRequest `incoming_from.endpoint` write it, and the TLS channel configuration both
+//! blkplanectl and blkplaned (reaching another node's) use with it.
+
+use std::fmt;
+
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+/// `HOST:PORT`: a DNS name or an IP address (an IPv6 one in brackets) and a port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPort {
+    /// The name or address, without an IPv6 address's brackets: what the server's
+    /// certificate must be for.
+    pub host: String,
+    /// The port, 1 to 65535.
+    pub port: u16,
+}
+
+impl HostPort {
+    /// Parses `HOST:PORT` (`[IPv6]:PORT`); `None` if `text` is not of that form, the host is
+    /// empty or the port is 0.
+    pub fn parse(text: &str) -> Option<HostPort> {
+        let (host, port) = text.rsplit_once(':')?;
+        let host = match host.strip_prefix('[') {
+            Some(inner) => inner.strip_suffix(']')?,
+            None if host.contains(':') || host.contains(']') => return None,
+            None => host,
+        };
+        let port: u16 = port.parse().ok()?;
+        if host.is_empty() || port == 0 || host.chars().any(|c| c.is_whitespace() || c == '/') {
+            return None;
+        }
+        Some(HostPort {
+            host: host.to_string(),
+            port,
+        })
+    }
+
+    /// A tonic endpoint for this address over TLS: the server's certificate must chain to
+    /// `ca` and be for the host; this side shows `cert` (with its `key`). All PEM.
+    pub fn tls_endpoint(
+        &self,
+        ca: &[u8],
+        cert: &[u8],
+        key: &[u8],
+    ) -> Result<Endpoint, tonic::transport::Error> {
+        let config = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca))
+            .identity(Identity::from_pem(cert, key))
+            .domain_name(self.host.clone());
+        Endpoint::from_shared(format!("https://{self}"))?.tls_config(config)
+    }
+}
+
+impl fmt::Display for HostPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_addresses_parse_and_print_back() {
+        for (text, host, port) in [
+            ("node-a:7070", "node-a", 7070),
+            ("127.0.0.1:1", "127.0.0.1", 1),
+            ("[::1]:65535", "::1", 65535),
+            ("[fd00::2]:7070", "fd00::2", 7070),
+        ] {
+            let hp = HostPort::parse(text).unwrap_or_else(|| panic!("{text}"));
+            assert_eq!((hp.host.as_str(), hp.port), (host, port), "{text}");
+            assert_eq!(hp.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn malformed_ones_are_refused() {
+        for text in [
+            "",
+            "node-a",
+            "node-a:",
+            ":7070",
+            "node-a:0",
+            "node-a:65536",
+            "node-a:70x",
+            "::1:7070",
+            "[::1:7070",
+            "::1]:7070",
+            "[]:7070",
+            "node a:7070",
+            "node-a/disk:7070",
+        ] {
+            assert_eq!(HostPort::parse(text), None, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn tls_material_that_is_no_pem_is_refused_before_connecting() {
+        let hp = HostPort::parse("[::1]:7070").unwrap();
+        assert!(hp.tls_endpoint(b"", b"", b"").is_err());
+    }
+}

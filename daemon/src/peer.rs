@@ -1,0 +1,199 @@
+//! How blkplaned reaches another node's blkplaned, for a live migration across nodes: over
+//! TCP with mutual TLS, with this node's `--peer-tls-ca`, `--peer-tls-cert` and
+//! `--peer-tls-key` (read once at start), each call bounded by a deadline.
+
+use std::path::Path;
+use std::time::Duration;
+
+use blkplane_api::endpoint::HostPort;
+use thiserror::Error;
+use tonic::transport::Channel;
+
+use crate::pb::control_client::ControlClient;
+
+/// How long connecting to another node's blkplaned, and each call to it, may take.
+pub const PEER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The PEM material this blkplaned shows and trusts when it calls another node's.
+#[derive(Clone)]
+pub struct PeerTls {
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl std::fmt::Debug for PeerTls {
+    // The key is not printed.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PeerTls { .. }")
+    }
+}
+
+impl PeerTls {
+    /// Reads the three files: the CA other nodes' certificates must chain to, and this
+    /// node's client certificate and key.
+    pub fn read(ca: &Path, cert: &Path, key: &Path) -> Result<PeerTls, String> {
+        let read = |option: &str, path: &Path| {
+            std::fs::read(path).map_err(|e| format!("{option} {}: {e}", path.display()))
+        };
+        Ok(PeerTls {
+            ca: read("--peer-tls-ca", ca)?,
+            cert: read("--peer-tls-cert", cert)?,
+            key: read("--peer-tls-key", key)?,
+        })
+    }
+}
+
+/// Why another node's blkplaned could not be asked, or what it answered instead.
+#[derive(Debug, Error)]
+pub enum PeerError {
+    /// This blkplaned was started without the peer TLS files.
+    #[error("this blkplaned has no --peer-tls-ca, --peer-tls-cert and --peer-tls-key to reach another node's blkplaned with")]
+    NoCredentials,
+    /// The files do not make a TLS client configuration.
+    #[error("--peer-tls-ca, --peer-tls-cert, --peer-tls-key: {0}")]
+    Tls(String),
+    /// No connection, or no answer in time.
+    #[error("the blkplaned at {endpoint} cannot be reached: {why}")]
+    Unreachable {
+        /// `HOST:PORT`.
+        endpoint: String,
+        /// What failed.
+        why: String,
+    },
+    /// It answered with an error.
+    #[error("the blkplaned at {endpoint} refused: {}", .status.message())]
+    Refused {
+        /// `HOST:PORT`.
+        endpoint: String,
+        /// Its answer.
+        status: tonic::Status,
+    },
+}
+
+impl PeerError {
+    /// The status code of the local call this failure fails: the other node's own code for
+    /// a refusal, UNAVAILABLE when it could not be asked, FAILED_PRECONDITION when this
+    /// node cannot ask anybody.
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            PeerError::NoCredentials | PeerError::Tls(_) => tonic::Code::FailedPrecondition,
+            PeerError::Unreachable { .. } => tonic::Code::Unavailable,
+            PeerError::Refused { status, .. } => match status.code() {
+                // Its deadline, or a transport failure tonic reports as a status.
+                tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
+                    tonic::Code::Unavailable
+                }
+                code => code,
+            },
+        }
+    }
+
+    /// Whether the other node answered that it has no such disk.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, PeerError::Refused { status, .. } if status.code() == tonic::Code::NotFound)
+    }
+}
+
+/// The other nodes' blkplaned, as this one reaches them.
+#[derive(Debug, Clone, Default)]
+pub struct Peers {
+    tls: Option<PeerTls>,
+}
+
+impl Peers {
+    /// Peers reached with `tls`; `None`: this blkplaned reaches none.
+    pub fn new(tls: Option<PeerTls>) -> Peers {
+        Peers { tls }
+    }
+
+    /// A client of the blkplaned at `endpoint`, connected, each call bounded by
+    /// [`PEER_TIMEOUT`].
+    pub async fn client(&self, endpoint: &HostPort) -> Result<ControlClient<Channel>, PeerError> {
+        let tls = self.tls.as_ref().ok_or(PeerError::NoCredentials)?;
+        let channel = endpoint
+            .tls_endpoint(&tls.ca, &tls.cert, &tls.key)
+            .map_err(|e| PeerError::Tls(chain(&e)))?
+            .connect_timeout(PEER_TIMEOUT)
+            .timeout(PEER_TIMEOUT)
+            .connect()
+            .await
+            .map_err(|e| PeerError::Unreachable {
+                endpoint: endpoint.to_string(),
+                why: chain(&e),
+            })?;
+        Ok(ControlClient::new(channel))
+    }
+
+    /// Connects to `endpoint` and makes one call there with `call`, turning a failure of
+    /// either into a [`PeerError`].
+    pub async fn call<T, F, Fut>(&self, endpoint: &HostPort, call: F) -> Result<T, PeerError>
+    where
+        F: FnOnce(ControlClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let client = self.client(endpoint).await?;
+        match tokio::time::timeout(PEER_TIMEOUT, call(client)).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(PeerError::Refused {
+                endpoint: endpoint.to_string(),
+                status,
+            }),
+            Err(_) => Err(PeerError::Unreachable {
+                endpoint: endpoint.to_string(),
+                why: format!("no answer within {PEER_TIMEOUT:?}"),
+            }),
+        }
+    }
+}
+
+/// An error and its sources, joined: tonic's transport errors say little at the top.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        let more = e.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn without_credentials_nobody_is_asked() {
+        let peers = Peers::new(None);
+        let endpoint = HostPort::parse("127.0.0.1:1").unwrap();
+        let e = peers.client(&endpoint).await.unwrap_err();
+        assert!(matches!(e, PeerError::NoCredentials), "{e}");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    }
+
+    #[test]
+    fn the_other_nodes_codes_are_kept_but_transport_failures() {
+        let refused = |status: tonic::Status| PeerError::Refused {
+            endpoint: "n:1".into(),
+            status,
+        };
+        assert_eq!(
+            refused(tonic::Status::failed_precondition("blocked")).code(),
+            tonic::Code::FailedPrecondition
+        );
+        assert!(refused(tonic::Status::not_found("no")).is_not_found());
+        assert_eq!(
+            refused(tonic::Status::cancelled("gone")).code(),
+            tonic::Code::Unavailable
+        );
+        let e = refused(tonic::Status::failed_precondition("disk a is drained"));
+        assert_eq!(
+            e.to_string(),
+            "the blkplaned at n:1 refused: disk a is drained"
+        );
+    }
+}
