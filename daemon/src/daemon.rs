@@ -433,7 +433,7 @@ impl Daemon {
             }
             .into());
         }
-        let Some((from, endpoint)) = validate::check_incoming_from(&req)? else {
+        let Some((from, endpoint)) = validate::check_incoming_from(&req, &self.node_name)? else {
             let req = self.resolve_incoming(&req)?;
             return self.add_checked(req, None).await;
         };
@@ -575,7 +575,9 @@ impl Daemon {
         }
         let incoming_from = disk.runtime().incoming_from;
         self.forget_and_stop(id, &disk, String::new()).await?;
-        // An incoming disk from another node: that node's source forgets the migration.
+        drop(_ops);
+        // An incoming disk from another node: that node's source forgets the migration (asked
+        // without `ops`: a slow node holds up no other call here).
         if let Some(from) = incoming_from {
             self.cancel_incoming_from(id, &from).await;
         }

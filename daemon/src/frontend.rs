@@ -799,6 +799,7 @@ mod tests {
                 endpoint: "node-a:7070".into(),
                 disk: "a".into(),
                 storage: MigrationStorage::Shared,
+                as_node: "node-b".into(),
             }),
             ..spec()
         };

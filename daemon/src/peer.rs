@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use blkplane_api::endpoint::HostPort;
+use blkplane_api::endpoint::{error_chain as chain, is_tls_refusal, HostPort};
 use thiserror::Error;
 use tonic::transport::Channel;
 
@@ -80,10 +80,14 @@ impl PeerError {
             PeerError::NoCredentials | PeerError::Tls(_) => tonic::Code::FailedPrecondition,
             PeerError::Unreachable { .. } => tonic::Code::Unavailable,
             PeerError::Refused { status, .. } => match status.code() {
+                // A TLS refusal that TLS 1.3 shows only at the first call: no retry helps.
+                _ if is_tls_refusal(status.message()) => tonic::Code::FailedPrecondition,
                 // Its deadline, or a transport failure tonic reports as a status.
                 tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
                     tonic::Code::Unavailable
                 }
+                // A field of what this blkplaned sent, not of the caller's request.
+                tonic::Code::InvalidArgument => tonic::Code::FailedPrecondition,
                 code => code,
             },
         }
@@ -107,21 +111,37 @@ impl Peers {
         Peers { tls }
     }
 
-    /// A client of the blkplaned at `endpoint`, connected, each call bounded by
-    /// [`PEER_TIMEOUT`].
+    /// A client of the blkplaned at `endpoint`, connected (TCP and the TLS handshake within
+    /// [`PEER_TIMEOUT`]: a peer that accepts and then says nothing holds nobody up longer),
+    /// each call bounded by [`PEER_TIMEOUT`] too.
     pub async fn client(&self, endpoint: &HostPort) -> Result<ControlClient<Channel>, PeerError> {
         let tls = self.tls.as_ref().ok_or(PeerError::NoCredentials)?;
-        let channel = endpoint
+        let configured = endpoint
             .tls_endpoint(&tls.ca, &tls.cert, &tls.key)
             .map_err(|e| PeerError::Tls(chain(&e)))?
             .connect_timeout(PEER_TIMEOUT)
-            .timeout(PEER_TIMEOUT)
-            .connect()
-            .await
-            .map_err(|e| PeerError::Unreachable {
-                endpoint: endpoint.to_string(),
-                why: chain(&e),
-            })?;
+            .timeout(PEER_TIMEOUT);
+        let connecting = configured.connect();
+        let unreachable = |why: String| PeerError::Unreachable {
+            endpoint: endpoint.to_string(),
+            why,
+        };
+        let channel = match tokio::time::timeout(PEER_TIMEOUT, connecting).await {
+            Ok(Ok(channel)) => channel,
+            Ok(Err(e)) => {
+                let why = chain(&e);
+                return Err(if is_tls_refusal(&why) {
+                    PeerError::Tls(format!("{endpoint}: {why}"))
+                } else {
+                    unreachable(why)
+                });
+            }
+            Err(_) => {
+                return Err(unreachable(format!(
+                    "no TLS connection within {PEER_TIMEOUT:?}"
+                )))
+            }
+        };
         Ok(ControlClient::new(channel))
     }
 
@@ -145,21 +165,6 @@ impl Peers {
             }),
         }
     }
-}
-
-/// An error and its sources, joined: tonic's transport errors say little at the top.
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        let more = e.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        source = e.source();
-    }
-    text
 }
 
 #[cfg(test)]
@@ -189,6 +194,17 @@ mod tests {
         assert_eq!(
             refused(tonic::Status::cancelled("gone")).code(),
             tonic::Code::Unavailable
+        );
+        assert_eq!(
+            refused(tonic::Status::invalid_argument("destination.node: bad")).code(),
+            tonic::Code::FailedPrecondition
+        );
+        assert_eq!(
+            refused(tonic::Status::unknown(
+                "invalid peer certificate: UnknownIssuer"
+            ))
+            .code(),
+            tonic::Code::FailedPrecondition
         );
         let e = refused(tonic::Status::failed_precondition("disk a is drained"));
         assert_eq!(

@@ -88,10 +88,12 @@ impl Control for ControlService {
                 req.id, req.incoming_for
             );
         }
-        let disk = self
-            .daemon
-            .add_disk(req)
+        // Run to the end even if the caller goes away: an AddDisk cut between the source
+        // node's agreement and its undo would leave the migration recorded there.
+        let daemon = Arc::clone(&self.daemon);
+        let disk = tokio::spawn(async move { daemon.add_disk(req).await })
             .await
+            .map_err(|e| Status::internal(format!("AddDisk: {e}")))?
             .map_err(|e| logged("AddDisk", e))?;
         Ok(Response::new(disk))
     }

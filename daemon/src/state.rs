@@ -240,6 +240,10 @@ pub struct RemoteSource {
     pub disk: String,
     /// How the contents reach this node.
     pub storage: MigrationStorage,
+    /// The name this node gave itself when the source node agreed (its `--node-name` then),
+    /// so that the source node still recognises its destination if the name changes (a
+    /// restart with another `--node-name` or host name) before the takeover.
+    pub as_node: String,
 }
 
 impl RemoteSource {
@@ -829,6 +833,7 @@ mod tests {
             endpoint: "node-a.example:7070".into(),
             disk: "a".into(),
             storage: MigrationStorage::Shared,
+            as_node: "node-b".into(),
         });
         let state = State {
             version: STATE_VERSION,

@@ -57,6 +57,9 @@ pub enum TakeoverWait {
     BothServing,
     /// The source's frontend runs but did not answer, so whether its rings run is unknown.
     SourceUnknown,
+    /// The source is on another node, which no longer records a migration to this disk (it
+    /// was cancelled there): it will not retire the source.
+    SourceForgot,
 }
 
 /// One disk: its configuration, its runtime state, and its supervision task.

@@ -124,6 +124,9 @@ pub struct Context {
     /// Whether blkplaned may run disks as other users (DiskSettings `run_as`): it has the
     /// capabilities a frontend needs for that (see [`can_run_disks_as_other_users`]).
     pub can_run_as: bool,
+    /// This node's name (`--node-name`): how a disk migrating here from another node names
+    /// its destination node to the source node.
+    pub node_name: String,
 }
 
 /// Checks a disk id: 1..=64 characters of `[A-Za-z0-9._-]`, not starting with '.' (so that it

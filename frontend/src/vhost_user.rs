@@ -137,17 +137,28 @@ impl BlkBackend {
     /// Until a ring starts no request has read the image here, so from then on every read
     /// comes from the image as the source node left it (it fdatasync'ed it when its rings
     /// stopped, before the VMM handed the VM over).
-    fn drop_stale_cache(&mut self) {
-        if !std::mem::take(&mut self.stale_cache) {
-            return;
+    /// Fails (and no ring starts) if the pages cannot be dropped: stale data would reach
+    /// the guest; the next ring start tries again.
+    fn drop_stale_cache(&mut self) -> VhostResult<()> {
+        if !self.stale_cache {
+            return Ok(());
         }
         match self.image.drop_cached_pages() {
-            Ok(true) => info!("dropped this node's cached pages of the image before serving"),
-            Ok(false) => {}
-            Err(e) => error!(
-                "dropping this node's cached pages of the image failed: {e}; reads may \
-                 return data older than the migration source's last writes"
-            ),
+            Ok(dropped) => {
+                self.stale_cache = false;
+                if dropped {
+                    info!("dropped this node's cached pages of the image before serving");
+                }
+                Ok(())
+            }
+            Err(e) => {
+                error!(
+                    "dropping this node's cached pages of the image failed: {e}; no ring \
+                     starts, since reads could return data older than the migration source's \
+                     last writes"
+                );
+                Err(handler_error(e))
+            }
         }
     }
 
@@ -218,7 +229,7 @@ impl BlkBackend {
         if !(vring.enabled || implicit_enable) {
             return Ok(());
         }
-        self.drop_stale_cache();
+        self.drop_stale_cache()?;
         let vring = self.vring(u32::from(index))?;
         let translate = |addr: u64, what: &str| {
             memory.vmm_to_guest(addr).ok_or_else(|| {

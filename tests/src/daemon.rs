@@ -110,6 +110,8 @@ pub struct Daemon {
     /// The blkplanectl options that reach it (`--socket RUNTIME_DIR/control.sock` unless
     /// [`Daemon::start_reached_by`] said otherwise).
     pub reach: Vec<String>,
+    /// The network namespace blkplaned (and blkplanectl for it) runs in; `None`: this one.
+    netns: Option<String>,
     // Last: the directory goes after everything in it was stopped.
     _dir: TempDir,
 }
@@ -125,6 +127,17 @@ impl Daemon {
     /// (e.g. `--endpoint tcp:…` and the TLS files, for one started with `--listen tcp:…`);
     /// `None`: its control socket.
     pub fn start_reached_by(tag: &str, extra: &[&str], reach: Option<&[&str]>) -> Daemon {
+        Self::start_in(tag, extra, reach, None)
+    }
+
+    /// [`Daemon::start_reached_by`] in network namespace `netns` (`None`: this one); its
+    /// blkplanectl runs there too.
+    pub fn start_in(
+        tag: &str,
+        extra: &[&str],
+        reach: Option<&[&str]>,
+        netns: Option<&str>,
+    ) -> Daemon {
         let dir = TempDir::new(tag);
         let state_dir = dir.join("state");
         let run_dir = dir.join("run");
@@ -142,6 +155,7 @@ impl Daemon {
             run_dir,
             args,
             reach,
+            netns: netns.map(str::to_string),
             _dir: dir,
         };
         d.spawn();
@@ -156,7 +170,7 @@ impl Daemon {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let mut cmd = Command::new(&binaries().blkplaned);
+        let mut cmd = self.command(&binaries().blkplaned);
         cmd.args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -226,9 +240,17 @@ impl Daemon {
 
     /// blkplanectl with the options that reach this daemon.
     pub fn ctl_command(&self) -> Command {
-        let mut cmd = Command::new(&binaries().blkplanectl);
+        let mut cmd = self.command(&binaries().blkplanectl);
         cmd.args(&self.reach);
         cmd
+    }
+
+    /// `program`, to run in this daemon's network namespace.
+    fn command(&self, program: &Path) -> Command {
+        match &self.netns {
+            Some(ns) => crate::netns::in_netns(ns, program),
+            None => Command::new(program),
+        }
     }
 
     /// Runs blkplanectl against this daemon.

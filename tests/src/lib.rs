@@ -23,6 +23,7 @@ pub mod daemon;
 pub mod frontend;
 pub mod guest;
 pub mod json;
+pub mod netns;
 pub mod qemu_img;
 pub mod qmp;
 pub mod raw;

@@ -20,7 +20,12 @@
 //!   `src`. The host then writes a marker the guest waits for, and the guest does one more
 //!   fio round and a full re-read on the destination.
 //!
-//! Needs what `tests/setup.sh` installs (QEMU 10.0, the guest's packages).
+//! `live_migration_across_nodes_with_shared_storage` runs the same guest and steps across two
+//! "nodes" (network namespaces joined by a veth pair, a blkplaned in each, mutual TLS between
+//! them, one image both reach): the destination disk is `--incoming-from` node A, the QEMUs
+//! run in their nodes and migrate over TCP, and node A retires `src` when node B asks.
+//!
+//! Needs what `tests/setup.sh` installs (QEMU 10.0, the guest's packages, iproute2), and root.
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -31,7 +36,9 @@ use std::time::{Duration, Instant};
 
 use blkplane_tests::daemon::{blocker_reasons, Daemon, Json};
 use blkplane_tests::guest::*;
+use blkplane_tests::netns::{in_netns, TwoNodes, ADDRESSES};
 use blkplane_tests::qmp::Qmp;
+use blkplane_tests::tls::make_certs;
 use blkplane_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -81,9 +88,9 @@ struct Machine {
 }
 
 impl Machine {
-    /// Starts QEMU `tag` on the vhost-user socket `socket`; `incoming` makes it a migration
-    /// destination listening there.
-    fn start(&self, tag: &str, socket: &Path, incoming: Option<&Path>) -> Vm {
+    /// Starts QEMU `tag` on the vhost-user socket `socket`, in network namespace `netns` if
+    /// given; `incoming` (a migration URI) makes it a migration destination listening there.
+    fn start(&self, tag: &str, socket: &Path, incoming: Option<&str>, netns: Option<&str>) -> Vm {
         let console = self.dir.join(format!("{tag}-console.log"));
         let results = self.dir.join(format!("{tag}-results.log"));
         let output = self.dir.join(format!("{tag}-qemu.log"));
@@ -104,7 +111,12 @@ impl Machine {
                 "vhost-user-blk-pci,chardev=disk,num-queues={QUEUES}"
             ));
         if let Some(uri) = incoming {
-            cmd.arg("-incoming").arg(format!("unix:{}", uri.display()));
+            cmd.arg("-incoming").arg(uri);
+        }
+        if let Some(ns) = netns {
+            let mut wrapped = in_netns(ns, cmd.get_program());
+            wrapped.args(cmd.get_args());
+            cmd = wrapped;
         }
         let out = File::create(&output).unwrap();
         cmd.stdin(Stdio::null())
@@ -164,9 +176,76 @@ fn disk_ids(d: &Daemon) -> Vec<String> {
         .collect()
 }
 
+/// Where the two sides of the migration are.
+enum Sides<'a> {
+    /// One blkplaned serves both disks (`--incoming-for`); the QEMUs migrate over a UNIX
+    /// socket.
+    OneNode(&'a Daemon),
+    /// A blkplaned per node, each in its network namespace, on one image both reach
+    /// (`--incoming-from … --shared`); the QEMUs run in the nodes and migrate over TCP
+    /// between them.
+    TwoNodes {
+        src: &'a Daemon,
+        dst: &'a Daemon,
+        nodes: &'a TwoNodes,
+    },
+}
+
+/// The port the nodes' blkplaned listen at, on their node's address.
+const API_PORT: u16 = 7070;
+/// The port the destination QEMU listens at for the migration stream.
+const MIGRATION_PORT: u16 = 4444;
+
+impl Sides<'_> {
+    fn src(&self) -> &Daemon {
+        match self {
+            Sides::OneNode(d) => d,
+            Sides::TwoNodes { src, .. } => src,
+        }
+    }
+
+    fn dst(&self) -> &Daemon {
+        match self {
+            Sides::OneNode(d) => d,
+            Sides::TwoNodes { dst, .. } => dst,
+        }
+    }
+
+    /// The network namespace of the source (0) or destination (1) side.
+    fn netns(&self, side: usize) -> Option<&str> {
+        match self {
+            Sides::OneNode(_) => None,
+            Sides::TwoNodes { nodes, .. } => Some(nodes.name(side)),
+        }
+    }
+
+    /// What makes `disk add dst` the incoming disk of `src`, and the field that names it.
+    fn incoming(&self) -> (Vec<String>, &'static str) {
+        match self {
+            Sides::OneNode(_) => (vec!["--incoming-for".into(), "src".into()], "incoming_for"),
+            Sides::TwoNodes { .. } => (
+                vec![
+                    "--incoming-from".into(),
+                    format!("{}:{API_PORT}/src", ADDRESSES[0]),
+                    "--shared".into(),
+                ],
+                "incoming_from",
+            ),
+        }
+    }
+
+    /// The migration URI the destination QEMU listens at and the source connects to.
+    fn migration_uri(&self, dir: &Path) -> String {
+        match self {
+            Sides::OneNode(_) => format!("unix:{}", dir.join("migration.sock").display()),
+            Sides::TwoNodes { .. } => format!("tcp:{}:{MIGRATION_PORT}", ADDRESSES[1]),
+        }
+    }
+}
+
 /// Everything the host does for the guest's `BLKPLANE-HOST` lines.
 struct Host<'a> {
-    daemon: &'a Daemon,
+    sides: &'a Sides<'a>,
     machine: &'a Machine,
     image: PathBuf,
     nonce: String,
@@ -176,7 +255,7 @@ struct Host<'a> {
 
 impl Host<'_> {
     fn src_log_path(&self) -> PathBuf {
-        self.daemon.disks_dir().join("src.log")
+        self.sides.src().disks_dir().join("src.log")
     }
 
     fn read_src_log(&mut self) {
@@ -193,7 +272,7 @@ impl Host<'_> {
     /// 10.0 aborts when a back-end refuses to start dirty logging — fixed upstream by
     /// "vhost: Do not abort on log-start error" — see tests/tests/dirty_log.rs for it.)
     fn migrate_blocked(&mut self, src: &mut Vm) -> Result<String, String> {
-        let m = self.daemon.ctl_json(&[
+        let m = self.sides.src().ctl_json(&[
             "disk",
             "blocker",
             "add",
@@ -204,12 +283,17 @@ impl Host<'_> {
         if m.get("migratable").bool() {
             return Err(format!("src still migratable with a blocker: {m:?}"));
         }
-        let refused = self
-            .daemon
-            .ctl(&["disk", "add", "dst", "--incoming-for", "src"]);
-        let listed = disk_ids(self.daemon);
+        let (incoming, field) = self.sides.incoming();
+        let mut add = vec!["disk", "add", "dst"];
+        add.extend(incoming.iter().map(String::as_str));
+        let refused = self.sides.dst().ctl(&add);
+        let mut listed = disk_ids(self.sides.src());
+        if let Sides::TwoNodes { dst, .. } = self.sides {
+            listed.extend(disk_ids(dst));
+        }
         let run_state = src.qmp.status()?;
-        self.daemon
+        self.sides
+            .src()
             .ctl_ok(&["disk", "blocker", "remove", "src", "maintenance"]);
         if refused.code == Some(0) {
             return Err(format!(
@@ -219,7 +303,7 @@ impl Host<'_> {
         }
         let message = refused.stderr.trim().to_string();
         if !message.contains("FAILED_PRECONDITION")
-            || !message.contains("incoming_for")
+            || !message.contains(field)
             || !message.contains("migration test: blocked attempt")
         {
             return Err(format!("refused with the wrong words: {message}"));
@@ -261,27 +345,21 @@ impl Host<'_> {
     fn migrate(&mut self, src: &mut Vm) -> Result<(Vm, String), String> {
         // The blocker of the previous phase is gone once blkplaned says so.
         let wait_migratable = Instant::now() + CONTROL_TIMEOUT;
-        while !self.daemon.disk("src").get("migratable").bool() {
+        let (src_daemon, dst_daemon) = (self.sides.src(), self.sides.dst());
+        while !src_daemon.disk("src").get("migratable").bool() {
             if Instant::now() >= wait_migratable {
                 return Err(format!(
                     "src never became migratable: {:?}",
-                    self.daemon.disk("src")
+                    src_daemon.disk("src")
                 ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
         let image = self.image.to_str().unwrap().to_string();
-        let dst = self.daemon.ctl_json(&[
-            "disk",
-            "add",
-            "dst",
-            "--image",
-            &image,
-            "--iothreads",
-            "2",
-            "--incoming-for",
-            "src",
-        ]);
+        let (incoming, _) = self.sides.incoming();
+        let mut add = vec!["disk", "add", "dst", "--image", &image, "--iothreads", "2"];
+        add.extend(incoming.iter().map(String::as_str));
+        let dst = dst_daemon.ctl_json(&add);
         let reasons = blocker_reasons(&dst);
         if !reasons.iter().any(|r| r == "incoming") {
             return Err(format!(
@@ -289,8 +367,10 @@ impl Host<'_> {
             ));
         }
         let dst_socket = PathBuf::from(dst.get("config").get("vhost_socket").str());
-        let uri = self.machine.dir.join("migration.sock");
-        let mut vm = self.machine.start("dst", &dst_socket, Some(&uri));
+        let uri = self.sides.migration_uri(&self.machine.dir);
+        let mut vm = self
+            .machine
+            .start("dst", &dst_socket, Some(&uri), self.sides.netns(1));
         let deadline = Instant::now() + QMP_TIMEOUT;
         while vm.qmp.status()? != "inmigrate" {
             if Instant::now() >= deadline {
@@ -309,10 +389,8 @@ impl Host<'_> {
             r#"{"max-bandwidth": 33554432, "downtime-limit": 1}"#,
         )?;
         let started = Instant::now();
-        src.qmp.execute(
-            "migrate",
-            &format!("{{\"uri\": \"unix:{}\"}}", uri.display()),
-        )?;
+        src.qmp
+            .execute("migrate", &format!("{{\"uri\": \"{uri}\"}}"))?;
         let first_pass = Instant::now() + MIGRATION_TIMEOUT;
         loop {
             let info = src.qmp.execute("query-migrate", "{}")?;
@@ -378,20 +456,34 @@ impl Host<'_> {
             std::thread::sleep(Duration::from_millis(100));
         }
         let src_state = src.qmp.status()?;
-        // blkplaned sees the destination's rings running and retires the source.
+        // blkplaned sees the destination's rings running and retires the source (across
+        // nodes: the destination's blkplaned asks the source's to).
+        let running = Instant::now();
         let deadline = Instant::now() + CONTROL_TIMEOUT;
-        while disk_ids(self.daemon).iter().any(|id| id == "src") {
+        while disk_ids(src_daemon).iter().any(|id| id == "src") {
             if Instant::now() >= deadline {
                 return Err(format!(
-                    "src was not retired: {:?}\n{}",
-                    self.daemon.disk("src"),
-                    self.daemon.log_text()
+                    "src was not retired: {:?}\n{}\n{}",
+                    src_daemon.disk("src"),
+                    src_daemon.log_text(),
+                    dst_daemon.log_text()
                 ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        let dst = self.daemon.disk("dst");
+        let retired = running.elapsed();
+        let deadline = Instant::now() + CONTROL_TIMEOUT;
+        let mut dst = dst_daemon.disk("dst");
+        while (!dst.get("config").get("incoming_for").str().is_empty()
+            || dst.get("config").get("incoming_from") != &Json::Null
+            || blocker_reasons(&dst).iter().any(|r| r == "incoming"))
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(100));
+            dst = dst_daemon.disk("dst");
+        }
         if !dst.get("config").get("incoming_for").str().is_empty()
+            || dst.get("config").get("incoming_from") != &Json::Null
             || blocker_reasons(&dst).iter().any(|r| r == "incoming")
         {
             return Err(format!("dst is still incoming after the takeover: {dst:?}"));
@@ -408,8 +500,8 @@ impl Host<'_> {
         let summary = format!(
             "migrate: completed in {took:.1?}; after the first pass (32 MiB/s) had sent every \
              page, the guest {} while {} MiB had been sent; QEMU: total {} ms, downtime {} ms, {} MiB of RAM \
-             sent, {} dirty syncs; source {src_state}, destination running; blkplaned retired \
-             src (dst serves alone, migratable: {})",
+             sent, {} dirty syncs; source {src_state}, destination running; src retired \
+             {retired:.1?} after the destination ran (dst serves alone, migratable: {})",
             filled
                 .split_once("BLKPLANE-INFO ")
                 .map_or(filled.as_str(), |(_, f)| f),
@@ -426,16 +518,97 @@ impl Host<'_> {
 
 #[test]
 fn live_migration_with_fio_and_a_blocked_attempt() {
+    let dir = TempDir::new("migration");
+    binaries();
+    let daemon = Daemon::start("migration-daemon", &[]);
+    run_migration(&dir, &Sides::OneNode(&daemon));
+}
+
+/// The same guest and steps across two "nodes": two network namespaces joined by a veth pair,
+/// a blkplaned in each (API on TCP with mutual TLS, `--peer-tls-*` to reach the other), one
+/// image both reach (shared storage), the source QEMU in node A and the destination QEMU in
+/// node B, the migration stream over the veth. The blocked attempt is refused by node A
+/// through node B's AddDisk; the takeover retires `src` on node A.
+#[test]
+fn live_migration_across_nodes_with_shared_storage() {
+    let dir = TempDir::new("migration-nodes");
+    let nodes = TwoNodes::new("mig").unwrap_or_else(|e| panic!("two network namespaces: {e}"));
+    let certs = dir.join("certs");
+    std::fs::create_dir(&certs).unwrap();
+    let san = format!(
+        "DNS:localhost,IP:127.0.0.1,IP:{},IP:{}",
+        ADDRESSES[0], ADDRESSES[1]
+    );
+    make_certs(&certs, "server-ca", "server", &san);
+    make_certs(&certs, "client-ca", "client", "DNS:blkplanectl");
+    binaries();
+    let file = |f: &str| certs.join(f).to_str().unwrap().to_string();
+    let daemon_in = |i: usize, name: &str| {
+        let endpoint = format!("{}:{API_PORT}", ADDRESSES[i]);
+        let args = [
+            "--listen".to_string(),
+            format!("tcp:{endpoint}"),
+            "--tls-cert".into(),
+            file("server.pem"),
+            "--tls-key".into(),
+            file("server.key"),
+            "--tls-client-ca".into(),
+            file("client-ca.pem"),
+            "--node-name".into(),
+            name.into(),
+            "--peer-tls-ca".into(),
+            file("server-ca.pem"),
+            "--peer-tls-cert".into(),
+            file("client.pem"),
+            "--peer-tls-key".into(),
+            file("client.key"),
+        ];
+        let reach = [
+            "--endpoint".to_string(),
+            format!("tcp:{endpoint}"),
+            "--tls-ca".into(),
+            file("server-ca.pem"),
+            "--tls-cert".into(),
+            file("client.pem"),
+            "--tls-key".into(),
+            file("client.key"),
+        ];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
+        Daemon::start_in(
+            &format!("migration-{name}"),
+            &args,
+            Some(&reach),
+            Some(nodes.name(i)),
+        )
+    };
+    let src = daemon_in(0, "node-a");
+    let dst = daemon_in(1, "node-b");
+    run_migration(
+        &dir,
+        &Sides::TwoNodes {
+            src: &src,
+            dst: &dst,
+            nodes: &nodes,
+        },
+    );
+}
+
+/// One guest migration at a time: the steps are timed against the guest's own pace (a
+/// throttled first pass that must not converge), which a second TCG guest on these two vCPUs
+/// would upset.
+static ONE_GUEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Boots the guest on `src` of `sides`, does what it asks, checks what it reports.
+fn run_migration(dir: &TempDir, sides: &Sides) {
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let t0 = Instant::now();
     let (qemu_bin, qemu_version) = qemu_binary();
     progress(&qemu_version);
-    let dir = TempDir::new("migration");
     let guest = build_guest(dir.path());
     progress(&guest.info);
     let image = create_image(&dir.join("disk.img"), SIZE);
-    binaries();
-    let daemon = Daemon::start("migration-daemon", &[]);
-    let src_disk = daemon.ctl_json(&[
+    let src_disk = sides.src().ctl_json(&[
         "disk",
         "add",
         "src",
@@ -460,14 +633,14 @@ fn live_migration_with_fio_and_a_blocked_attempt() {
         dir: dir.path().to_path_buf(),
     };
     let mut host = Host {
-        daemon: &daemon,
+        sides,
         machine: &machine,
         image: image.clone(),
         nonce,
         src_log: String::new(),
     };
     let boot = Instant::now();
-    let mut src = Some(machine.start("src", &src_socket, None));
+    let mut src = Some(machine.start("src", &src_socket, None, sides.netns(0)));
     let mut dst: Option<Vm> = None;
     let mut shown = 0;
     let mut actions: Vec<String> = Vec::new();
@@ -574,7 +747,15 @@ fn live_migration_with_fio_and_a_blocked_attempt() {
     {
         problems.push(format!("BLKPLANE-DONE: {:?}", report.done));
     }
-    let dst_log = read_lossy(&daemon.disks_dir().join("dst.log"));
+    let dst_log = read_lossy(&sides.dst().disks_dir().join("dst.log"));
+    let blkplaned_log = match sides {
+        Sides::OneNode(d) => d.log_text(),
+        Sides::TwoNodes { src, dst, .. } => format!(
+            "---- node A ----\n{}\n---- node B ----\n{}",
+            src.log_text(),
+            dst.log_text()
+        ),
+    };
     for (side, log) in [("source", &host.src_log), ("destination", &dst_log)] {
         if let Some(l) = log
             .lines()
@@ -586,7 +767,10 @@ fn live_migration_with_fio_and_a_blocked_attempt() {
         }
     }
     // Keep the run's logs for a look after the fact.
-    let keep = target_dir().join("guest").join("last-migration");
+    let keep = target_dir().join("guest").join(match sides {
+        Sides::OneNode(_) => "last-migration",
+        Sides::TwoNodes { .. } => "last-migration-nodes",
+    });
     let _ = std::fs::remove_dir_all(&keep);
     if std::fs::create_dir_all(&keep).is_ok() {
         for tag in ["src", "dst"] {
@@ -597,7 +781,7 @@ fn live_migration_with_fio_and_a_blocked_attempt() {
         }
         let _ = std::fs::write(keep.join("frontend-src.log"), host.src_log.as_bytes());
         let _ = std::fs::write(keep.join("frontend-dst.log"), dst_log.as_bytes());
-        let _ = std::fs::write(keep.join("blkplaned.log"), daemon.log_text().as_bytes());
+        let _ = std::fs::write(keep.join("blkplaned.log"), blkplaned_log.as_bytes());
     }
     if !problems.is_empty() {
         let mut msg = String::new();
@@ -619,7 +803,7 @@ fn live_migration_with_fio_and_a_blocked_attempt() {
             results_text(&dst),
             tail(&host.src_log, 64 * 1024),
             tail(&dst_log, 64 * 1024),
-            tail(&daemon.log_text(), 64 * 1024)
+            tail(&blkplaned_log, 64 * 1024)
         );
         eprintln!("{msg}");
         panic!(

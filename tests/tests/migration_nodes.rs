@@ -14,7 +14,10 @@
 //!   what the source VMM wrote, and had dropped this node's stale page cache of the image
 //!   before its first ring started;
 //! - cancelling: removing the incoming disk cancels the migration on the source node (and
-//!   `disk migrate --cancel` there, when the destination cannot).
+//!   `disk migrate --cancel` there, when the destination cannot); a destination whose VM runs
+//!   after the source node cancelled is told that the source was not retired;
+//! - a source node that accepts the connection and never answers is given up after the peer
+//!   deadline, with UNAVAILABLE and nothing left behind.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -216,6 +219,34 @@ fn shared_storage_migration_between_two_blkplaned() {
         "incoming_from",
     );
     nothing_left("nobody listening");
+    // A node that accepts the connection and then says nothing: refused once the peer
+    // deadline (10 s) has passed, not held forever (blkplanectl's own deadline is longer).
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_at = format!("{}/src", silent.local_addr().unwrap());
+    let asked = Instant::now();
+    let out = b.daemon.ctl(&[
+        "--timeout",
+        "60",
+        "disk",
+        "add",
+        "dst",
+        "--incoming-from",
+        &silent_at,
+        "--shared",
+    ]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stderr.contains("UNAVAILABLE") && out.stderr.contains("incoming_from"),
+        "{}",
+        out.stderr
+    );
+    let took = asked.elapsed();
+    assert!(
+        took >= Duration::from_secs(9) && took < Duration::from_secs(30),
+        "a silent peer was given up after {took:?}"
+    );
+    drop(silent);
+    nothing_left("a silent node");
     {
         let lonely = node("node-c", certs.path(), false);
         let msg = lonely.daemon.ctl_refused(
@@ -443,7 +474,8 @@ fn shared_storage_migration_between_two_blkplaned() {
     );
     let out = b.daemon.ctl_ok(&["disk", "migrate", "dst", "--cancel"]);
     assert!(out.contains("had no live migration"), "{out}");
-    // The source side's own cancel, for a destination that cannot tell it.
+    // The source side's own cancel, for a destination that cannot tell it; a destination
+    // whose VM then runs is told the source was not retired (both may serve).
     a.daemon.ctl_json(&[
         "disk",
         "add",
@@ -461,6 +493,28 @@ fn shared_storage_migration_between_two_blkplaned() {
         b.daemon.disk("dst").get("config").get("outgoing"),
         &Json::Null
     );
+    let back_socket = socket_of(&a.daemon.disk("back"));
+    let back_vmm = Client::connect_with(&back_socket, &ClientOptions::default())
+        .unwrap_or_else(|e| panic!("connect back: {e}"));
+    let forgot = watch_a.wait("both_serving", "back");
+    assert!(
+        forgot
+            .get("message")
+            .str()
+            .contains("no longer records a migration"),
+        "{forgot:?}"
+    );
+    assert!(b.daemon.state_ids().contains(&"dst".to_string()));
+    assert_eq!(
+        a.daemon
+            .disk("back")
+            .get("config")
+            .get("incoming_from")
+            .get("disk")
+            .str(),
+        "dst"
+    );
+    drop(back_vmm);
     drop(watch_a);
     drop(watch_b);
     eprintln!(

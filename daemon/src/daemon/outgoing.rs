@@ -68,19 +68,18 @@ impl Daemon {
                  {other} to migrate it elsewhere"
             )));
         }
-        match &rt.lifecycle.outgoing {
-            // Asked again (the destination retried): the same answer.
-            Some(current) if *current == destination => {
-                return Ok(self.disk_info(&disk, true).await)
-            }
+        let asked_again = match &rt.lifecycle.outgoing {
+            // Asked again (the destination retried): the same answer, if the disk still may
+            // be migrated.
+            Some(current) if *current == destination => true,
             Some(current) => {
                 return Err(refused(format!(
                     "disk {id} is already being migrated to {current}; cancel that first \
                      (blkplanectl disk migrate {id} --cancel)"
                 )))
             }
-            None => {}
-        }
+            None => false,
+        };
         if destination.storage == MigrationStorage::Local {
             return Err(ValidationError::Unimplemented {
                 field: "destination.storage",
@@ -108,6 +107,9 @@ impl Daemon {
             return Err(refused(format!(
                 "disk {id} must not be migrated now: {blockers}"
             )));
+        }
+        if asked_again {
+            return Ok(fresh);
         }
         let recorded = destination.clone();
         self.change_lifecycle_held(&disk, |l| l.outgoing = Some(recorded))?;
@@ -143,7 +145,9 @@ impl Daemon {
         }
         match self.source_serves(&disk).await {
             Some(TakeoverWait::BothServing) => return Ok(RetireOutcome::SourceServes),
-            Some(TakeoverWait::SourceUnknown) => return Ok(RetireOutcome::SourceUnknown),
+            Some(TakeoverWait::SourceUnknown | TakeoverWait::SourceForgot) => {
+                return Ok(RetireOutcome::SourceUnknown)
+            }
             None => {}
         }
         info!("disk {id}: {destination} runs the migrated VM; retiring it");

@@ -3,6 +3,8 @@
 //! its disk once the VM runs here, or to forget the migration when it is given up here.
 
 use blkplane_api::endpoint::HostPort;
+use std::sync::Arc;
+
 use log::{info, warn};
 
 use crate::pb::{self, EventKind, MigrationSourceRequest, RetireOutcome};
@@ -13,12 +15,13 @@ use crate::sync::lock;
 use super::{Daemon, DaemonError};
 
 impl Daemon {
-    /// The request that names source `from` and this node's disk `id` as the destination.
+    /// The request that names source `from` and this node's disk `id` as the destination
+    /// (this node by the name it gave when the source agreed).
     fn source_request(&self, id: &str, from: &RemoteSource) -> MigrationSourceRequest {
         MigrationSourceRequest {
             id: from.disk.clone(),
             destination: Some(pb::OutgoingMigration {
-                node: self.node_name.clone(),
+                node: from.as_node.clone(),
                 disk: id.to_string(),
                 storage: from.storage.to_pb() as i32,
             }),
@@ -97,7 +100,8 @@ impl Daemon {
     /// checked) from `from` on another node: that node retires its disk if its rings have
     /// stopped; then `incoming_from` is cleared (persisted) and MIGRATED emitted. A source
     /// that still serves, or whose node cannot tell, is waited for (the next poll asks
-    /// again); one that node no longer has is not.
+    /// again); one that node no longer has is not. Called without `ops`, which it takes only
+    /// for its state write, so that a slow node holds up no other call.
     pub(super) async fn take_over_remote(
         &self,
         disk: &DiskHandle,
@@ -122,6 +126,11 @@ impl Daemon {
             }
             Ok(_) => Some(TakeoverWait::SourceUnknown),
             Err(e) if e.is_not_found() => None,
+            // The source node no longer records this migration: it was cancelled there while
+            // the VM came to run here.
+            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
+                Some(TakeoverWait::SourceForgot)
+            }
             Err(e) => {
                 warn!("disk {id}: asking {from} to retire: {e}");
                 Some(TakeoverWait::SourceUnknown)
@@ -136,6 +145,14 @@ impl Daemon {
             return Ok(());
         }
         info!("disk {id}: its VMM runs the migrated VM; {from} is retired");
+        let _ops = self.ops.lock().await;
+        // Removed while the other node was asked: nothing left to take over.
+        if !lock(&self.disks)
+            .get(id)
+            .is_some_and(|d| std::ptr::eq(Arc::as_ptr(d), disk))
+        {
+            return Ok(());
+        }
         disk.update(|rt| rt.incoming_from = None);
         if let Err(e) = self.persist() {
             // Still incoming: the next poll asks again, and the source node, which no longer

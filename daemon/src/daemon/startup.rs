@@ -70,6 +70,7 @@ impl Daemon {
                 socket_dirs: config.socket_dirs,
                 image_dirs: config.image_dirs,
                 can_run_as: validate::can_run_disks_as_other_users(),
+                node_name: config.node_name.clone(),
             },
             state_dir,
             runtime_dir,

@@ -64,7 +64,7 @@ impl Daemon {
     /// cannot tell (its frontend runs but does not answer): the next call tries again. A
     /// source that is gone is not waited for.
     pub async fn take_over(&self, id: &str) -> Result<(), DaemonError> {
-        let _ops = self.ops.lock().await;
+        let ops = self.ops.lock().await;
         // Removed, or already taken over, since it was seen running.
         let Ok(disk) = self.get_handle(id) else {
             return Ok(());
@@ -84,6 +84,9 @@ impl Daemon {
             return Ok(());
         }
         let Some(source_id) = rt.incoming_for.clone() else {
+            // The other node may be slow to answer: AddDisk, RemoveDisk and the rest do not
+            // wait for it (take_over_remote takes `ops` again for its own state write).
+            drop(ops);
             return match &rt.incoming_from {
                 Some(from) => self.take_over_remote(&disk, from).await,
                 None => Ok(()),
@@ -185,6 +188,16 @@ impl Daemon {
                     "the VMM of disk {id} runs its rings while the frontend of disk {source}, \
                      its migration source, still serves a running ring: the image is served \
                      by both at once; {source} is retired once its rings stop"
+                );
+                error!("disk {id}: {message}");
+                self.events.emit(EventKind::BothServing, id, pid, message);
+            }
+            TakeoverWait::SourceForgot => {
+                let message = format!(
+                    "the VMM of disk {id} runs the migrated VM, but the node of {source} no \
+                     longer records a migration to this disk (it was cancelled there): the \
+                     source was not retired and both nodes may serve the image; remove the \
+                     disk the VM no longer uses"
                 );
                 error!("disk {id}: {message}");
                 self.events.emit(EventKind::BothServing, id, pid, message);

@@ -520,7 +520,14 @@ pub fn check_add(
         }
     };
     let (identity, format) = check_image(&s.image, block_size, format, &ctx.image_dirs)?;
-    let incoming_from = super::check_incoming_from(req)?.map(|(from, _)| from);
+    // The node name the caller resolved it with (check_add itself knows no node name).
+    let incoming_from = req
+        .incoming_from
+        .as_ref()
+        .map(|_| super::check_incoming_from(req, &ctx.node_name))
+        .transpose()?
+        .flatten()
+        .map(|(from, _)| from);
     if format == Format::Qcow2 && (!req.incoming_for.is_empty() || incoming_from.is_some()) {
         // Each frontend keeps the image's metadata (L2 tables, refcounts) in its iothread and
         // writes it back from there: two frontends on one qcow2 image would allocate the same
@@ -578,6 +585,7 @@ pub(super) mod tests {
             socket_dirs: Vec::new(),
             image_dirs: Vec::new(),
             can_run_as: true,
+            node_name: "node-b".into(),
         }
     }
 

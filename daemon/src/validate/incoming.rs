@@ -110,9 +110,11 @@ pub fn resolve_incoming(
 }
 
 /// Checks the form of AddDiskRequest `incoming_from` (the source node itself is asked by the
-/// caller) and returns it as stored, with the endpoint parsed; `None` without it.
+/// caller) and returns it as stored, this node named `node`, with the endpoint parsed;
+/// `None` without it.
 pub fn check_incoming_from(
     req: &AddDiskRequest,
+    node: &str,
 ) -> Result<Option<(RemoteSource, HostPort)>, ValidationError> {
     let Some(from) = &req.incoming_from else {
         return Ok(None);
@@ -161,6 +163,7 @@ pub fn check_incoming_from(
             endpoint: endpoint.to_string(),
             disk: from.disk.clone(),
             storage,
+            as_node: node.to_string(),
         },
         endpoint,
     )))
@@ -178,11 +181,27 @@ pub fn resolve_remote_incoming(
     from: &RemoteSource,
     source: &crate::pb::Disk,
 ) -> Result<AddDiskRequest, ValidationError> {
-    let src = source
+    // What the other node answered is checked like any input: it must describe the disk
+    // asked for, and record this node as its destination.
+    let odd = |what: String| ValidationError::FailedPrecondition {
+        field: "incoming_from",
+        reason: format!("the blkplaned at {} answered for {what}", from.endpoint),
+    };
+    let config = source
         .config
         .as_ref()
-        .and_then(|c| c.settings.clone())
-        .unwrap_or_default();
+        .ok_or_else(|| odd("no disk (no configuration)".into()))?;
+    if config.id != from.disk {
+        return Err(odd(format!("disk {:?}, not {:?}", config.id, from.disk)));
+    }
+    let recorded = config.outgoing.as_ref();
+    if recorded.is_none_or(|o| o.node != from.as_node || o.disk != req.id) {
+        return Err(odd(format!(
+            "disk {} without a migration to disk {} on node {} recorded",
+            from.disk, req.id, from.as_node
+        )));
+    }
+    let src = config.settings.clone().unwrap_or_default();
     let asked = req.settings.clone().unwrap_or_default();
     let mut settings = asked.clone();
     if asked.image.is_empty() {
@@ -535,18 +554,17 @@ mod tests {
             incoming_from: Some(incoming_from),
             ..Default::default()
         };
-        let (source, endpoint) = check_incoming_from(&req(from(
-            "[fd00::1]:7070",
-            "vd1",
-            MigrationStorage::Shared,
-        )))
+        let (source, endpoint) = check_incoming_from(
+            &req(from("[fd00::1]:7070", "vd1", MigrationStorage::Shared)),
+            "node-b",
+        )
         .unwrap()
         .unwrap();
         assert_eq!(source.endpoint, "[fd00::1]:7070");
         assert_eq!((endpoint.host.as_str(), endpoint.port), ("fd00::1", 7070));
         assert_eq!(source.disk, "vd1");
         assert_eq!(
-            check_incoming_from(&AddDiskRequest::default()).unwrap(),
+            check_incoming_from(&AddDiskRequest::default(), "n").unwrap(),
             None
         );
         for (bad, field) in [
@@ -567,7 +585,7 @@ mod tests {
                 "incoming_from.disk",
             ),
         ] {
-            let e = check_incoming_from(&req(bad)).unwrap_err();
+            let e = check_incoming_from(&req(bad), "n").unwrap_err();
             assert!(matches!(e, ValidationError::Invalid { .. }), "{e:?}");
             assert_eq!(e.field(), field);
         }
@@ -576,12 +594,17 @@ mod tests {
             ..from("node-a:7070", "vd1", MigrationStorage::Shared)
         };
         assert_eq!(
-            check_incoming_from(&req(unspecified)).unwrap_err().field(),
+            check_incoming_from(&req(unspecified), "n")
+                .unwrap_err()
+                .field(),
             "incoming_from.storage"
         );
         // Copying a local disk is not built: said as such, not as a bad argument.
-        let e = check_incoming_from(&req(from("node-a:7070", "vd1", MigrationStorage::Local)))
-            .unwrap_err();
+        let e = check_incoming_from(
+            &req(from("node-a:7070", "vd1", MigrationStorage::Local)),
+            "n",
+        )
+        .unwrap_err();
         assert!(matches!(e, ValidationError::Unimplemented { .. }), "{e:?}");
         // One source at a time.
         let both = AddDiskRequest {
@@ -589,7 +612,7 @@ mod tests {
             ..req(from("node-a:7070", "vd1", MigrationStorage::Shared))
         };
         assert_eq!(
-            check_incoming_from(&both).unwrap_err().field(),
+            check_incoming_from(&both, "n").unwrap_err().field(),
             "incoming_from"
         );
     }
@@ -598,15 +621,24 @@ mod tests {
     fn a_remote_source_gives_its_device_and_path() {
         let tmp = Tmp::new("remote");
         let src = source_spec(&tmp);
-        let described = crate::pb::Disk {
-            config: Some(src.to_pb()),
-            capacity_bytes: 1 << 20,
-            ..Default::default()
-        };
         let remote = RemoteSource {
             endpoint: "node-a:7070".into(),
             disk: "src".into(),
             storage: MigrationStorage::Shared,
+            as_node: "node-b".into(),
+        };
+        let recorded = crate::pb::OutgoingMigration {
+            node: "node-b".into(),
+            disk: "dst".into(),
+            storage: crate::pb::MigrationStorage::Shared as i32,
+        };
+        let described = crate::pb::Disk {
+            config: Some(crate::pb::DiskConfig {
+                outgoing: Some(recorded.clone()),
+                ..src.to_pb()
+            }),
+            capacity_bytes: 1 << 20,
+            ..Default::default()
         };
         let req = AddDiskRequest {
             id: "dst".into(),
@@ -633,5 +665,40 @@ mod tests {
         let e = resolve_remote_incoming(&serial, &remote, &described).unwrap_err();
         assert_eq!(e.field(), "settings.serial");
         assert!(e.to_string().contains("disk src on node-a:7070"), "{e}");
+        // An answer about another disk, or one that does not record this destination.
+        for odd in [
+            crate::pb::Disk::default(),
+            crate::pb::Disk {
+                config: Some(crate::pb::DiskConfig {
+                    id: "other".into(),
+                    ..described.config.clone().unwrap()
+                }),
+                ..described.clone()
+            },
+            crate::pb::Disk {
+                config: Some(crate::pb::DiskConfig {
+                    outgoing: None,
+                    ..described.config.clone().unwrap()
+                }),
+                ..described.clone()
+            },
+            crate::pb::Disk {
+                config: Some(crate::pb::DiskConfig {
+                    outgoing: Some(crate::pb::OutgoingMigration {
+                        node: "node-c".into(),
+                        ..recorded.clone()
+                    }),
+                    ..described.config.clone().unwrap()
+                }),
+                ..described.clone()
+            },
+        ] {
+            let e = resolve_remote_incoming(&req, &remote, &odd).unwrap_err();
+            assert!(
+                matches!(e, ValidationError::FailedPrecondition { .. }),
+                "{e:?}"
+            );
+            assert_eq!(e.field(), "incoming_from");
+        }
     }
 }

@@ -1,0 +1,80 @@
+//! Two "nodes" on one machine for tests of what crosses a network: two network namespaces of
+//! this test's own, joined by a veth pair, each with one address; removed on drop. Programs
+//! run in a node with `ip netns exec` (which execs them: the pid is theirs). Needs root and
+//! iproute2 (`tests/setup.sh`).
+
+use std::ffi::OsStr;
+use std::process::Command;
+
+/// The two nodes' addresses, on the veth pair between them (only inside the namespaces).
+pub const ADDRESSES: [&str; 2] = ["10.231.0.1", "10.231.0.2"];
+
+/// Two network namespaces joined by a veth pair.
+pub struct TwoNodes {
+    names: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("running ip {args:?}: {e} (install iproute2: tests/setup.sh)"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl TwoNodes {
+    /// Creates the namespaces `bp<pid><tag>a` and `…b`, the veth pair, the addresses and
+    /// loopback in each.
+    pub fn new(tag: &str) -> Result<TwoNodes, String> {
+        let pid = std::process::id();
+        let nodes = TwoNodes {
+            names: [format!("bp{pid}{tag}a"), format!("bp{pid}{tag}b")],
+        };
+        let [a, b] = &nodes.names;
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        let (va, vb) = (format!("v{pid}a"), format!("v{pid}b"));
+        ip(&[
+            "link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b,
+        ])?;
+        for (ns, dev, addr) in [(a, &va, ADDRESSES[0]), (b, &vb, ADDRESSES[1])] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(nodes)
+    }
+
+    /// The namespace of node `i` (0 or 1).
+    pub fn name(&self, i: usize) -> &str {
+        &self.names[i]
+    }
+
+    /// `program` to run in node `i`.
+    pub fn command(&self, i: usize, program: impl AsRef<OsStr>) -> Command {
+        in_netns(self.name(i), program)
+    }
+}
+
+/// `program` to run in network namespace `ns` (`ip netns exec NS PROGRAM`).
+pub fn in_netns(ns: &str, program: impl AsRef<OsStr>) -> Command {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns]).arg(program);
+    cmd
+}
+
+impl Drop for TwoNodes {
+    fn drop(&mut self) {
+        // Removing a namespace removes its end of the veth pair, and with it the other end.
+        for name in &self.names {
+            let _ = ip(&["netns", "del", name]);
+        }
+    }
+}
