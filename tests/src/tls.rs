@@ -93,10 +93,16 @@ pub fn make_test_certs(dir: &Path) {
 /// blkplaned's options for serving `tcp:127.0.0.1:PORT` with the certificates of
 /// [`make_test_certs`] in `dir`: its own, and `client-ca` for the clients'.
 pub fn server_options(dir: &Path, port: u16) -> Vec<String> {
+    listen_options(dir, &format!("127.0.0.1:{port}"))
+}
+
+/// blkplaned's options for serving `tcp:ENDPOINT` with the certificates of
+/// [`make_test_certs`] (or ones named the same) in `dir`.
+fn listen_options(dir: &Path, endpoint: &str) -> Vec<String> {
     let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
     vec![
         "--listen".into(),
-        format!("tcp:127.0.0.1:{port}"),
+        format!("tcp:{endpoint}"),
         "--tls-cert".into(),
         file("server.pem"),
         "--tls-key".into(),
@@ -104,6 +110,39 @@ pub fn server_options(dir: &Path, port: u16) -> Vec<String> {
         "--tls-client-ca".into(),
         file("client-ca.pem"),
     ]
+}
+
+/// One node's blkplaned serving its API at `endpoint` (`ADDR:PORT`) with the certificates
+/// of [`make_test_certs`] in `dir` (or ones named the same), named `name`, and, with
+/// `peers`, the files to reach other nodes' blkplaned (the client certificate); and the
+/// blkplanectl options that reach it. Returns (blkplaned's extra options, blkplanectl's).
+pub fn node_options(
+    dir: &Path,
+    endpoint: &str,
+    name: &str,
+    peers: bool,
+) -> (Vec<String>, Vec<String>) {
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let mut daemon = listen_options(dir, endpoint);
+    daemon.extend(["--node-name".into(), name.into()]);
+    let client = [
+        file("server-ca.pem"),
+        file("client.pem"),
+        file("client.key"),
+    ];
+    if peers {
+        for (option, f) in ["--peer-tls-ca", "--peer-tls-cert", "--peer-tls-key"]
+            .iter()
+            .zip(&client)
+        {
+            daemon.extend([option.to_string(), f.clone()]);
+        }
+    }
+    let mut ctl = vec!["--endpoint".to_string(), format!("tcp:{endpoint}")];
+    for (option, f) in ["--tls-ca", "--tls-cert", "--tls-key"].iter().zip(&client) {
+        ctl.extend([option.to_string(), f.clone()]);
+    }
+    (daemon, ctl)
 }
 
 /// A TCP port of 127.0.0.1 that was free a moment ago (released again, for a server to bind).

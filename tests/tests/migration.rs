@@ -38,7 +38,7 @@ use blkplane_tests::daemon::{blocker_reasons, Daemon, Json};
 use blkplane_tests::guest::*;
 use blkplane_tests::netns::{in_netns, TwoNodes, ADDRESSES};
 use blkplane_tests::qmp::Qmp;
-use blkplane_tests::tls::make_certs;
+use blkplane_tests::tls::{make_certs, node_options};
 use blkplane_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -542,37 +542,9 @@ fn live_migration_across_nodes_with_shared_storage() {
     make_certs(&certs, "server-ca", "server", &san);
     make_certs(&certs, "client-ca", "client", "DNS:blkplanectl");
     binaries();
-    let file = |f: &str| certs.join(f).to_str().unwrap().to_string();
     let daemon_in = |i: usize, name: &str| {
         let endpoint = format!("{}:{API_PORT}", ADDRESSES[i]);
-        let args = [
-            "--listen".to_string(),
-            format!("tcp:{endpoint}"),
-            "--tls-cert".into(),
-            file("server.pem"),
-            "--tls-key".into(),
-            file("server.key"),
-            "--tls-client-ca".into(),
-            file("client-ca.pem"),
-            "--node-name".into(),
-            name.into(),
-            "--peer-tls-ca".into(),
-            file("server-ca.pem"),
-            "--peer-tls-cert".into(),
-            file("client.pem"),
-            "--peer-tls-key".into(),
-            file("client.key"),
-        ];
-        let reach = [
-            "--endpoint".to_string(),
-            format!("tcp:{endpoint}"),
-            "--tls-ca".into(),
-            file("server-ca.pem"),
-            "--tls-cert".into(),
-            file("client.pem"),
-            "--tls-key".into(),
-            file("client.key"),
-        ];
+        let (args, reach) = node_options(&certs, &endpoint, name, true);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
         Daemon::start_in(

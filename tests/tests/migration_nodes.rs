@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use blkplane_tests::daemon::*;
 use blkplane_tests::guest::read_lossy;
 use blkplane_tests::raw::RawDevice;
-use blkplane_tests::tls::{free_port, make_test_certs, server_options};
+use blkplane_tests::tls::{free_port, make_test_certs, node_options};
 use blkplane_tests::*;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
@@ -44,35 +44,13 @@ struct Node {
 /// Starts node `name` with the test certificates in `certs`; `peers` gives it the files to
 /// reach the other node.
 fn node(name: &str, certs: &Path, peers: bool) -> Node {
-    let port = free_port();
-    let file = |f: &str| certs.join(f).to_str().unwrap().to_string();
-    let mut args = server_options(certs, port);
-    args.extend(["--node-name".into(), name.into()]);
-    if peers {
-        args.extend([
-            "--peer-tls-ca".into(),
-            file("server-ca.pem"),
-            "--peer-tls-cert".into(),
-            file("client.pem"),
-            "--peer-tls-key".into(),
-            file("client.key"),
-        ]);
-    }
-    let reach = [
-        "--endpoint".into(),
-        format!("tcp:127.0.0.1:{port}"),
-        "--tls-ca".into(),
-        file("server-ca.pem"),
-        "--tls-cert".into(),
-        file("client.pem"),
-        "--tls-key".into(),
-        file("client.key"),
-    ];
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let (args, reach) = node_options(certs, &endpoint, name, peers);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
     Node {
         daemon: Daemon::start_reached_by(&format!("mn-{name}"), &args, Some(&reach)),
-        endpoint: format!("127.0.0.1:{port}"),
+        endpoint,
     }
 }
 
