@@ -11,6 +11,7 @@ use std::fs::File;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use log::{error, info, warn};
 use vhost::vhost_user::message::{
@@ -143,11 +144,15 @@ impl BlkBackend {
         if !self.stale_cache {
             return Ok(());
         }
+        let start = Instant::now();
         match self.image.drop_cached_pages() {
             Ok(dropped) => {
                 self.stale_cache = false;
                 if dropped {
-                    info!("dropped this node's cached pages of the image before serving");
+                    info!(
+                        "dropped this node's cached pages of the image before serving, in {} µs",
+                        start.elapsed().as_micros()
+                    );
                 }
                 Ok(())
             }
@@ -730,16 +735,26 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     fn get_vring_base(&mut self, index: u32) -> VhostResult<VhostUserVringState> {
         let queue = queue_index(index)?;
         self.vring(index)?;
+        let asked = Instant::now();
         self.stop(queue)?;
         if self.logging() {
             // A migration stops the source's rings before the destination starts its own:
             // make what they wrote durable first, so that a destination on another host
             // sharing the storage reads it (on this host the page cache is shared anyway).
+            let stopped = asked.elapsed();
             if let Err(e) = lifecycle::sync_image(&self.image) {
                 return Err(handler_error(format!(
                     "queue {queue} stopped for migration, but fdatasync of the image failed: {e}"
                 )));
             }
+            // What the disk adds to the VM's downtime on this side, for the operator.
+            info!(
+                "queue {queue} stopped for migration in {} µs: requests in flight {} µs, \
+                 fdatasync {} µs",
+                asked.elapsed().as_micros(),
+                stopped.as_micros(),
+                asked.elapsed().saturating_sub(stopped).as_micros()
+            );
         }
         let vring = self.vring(index)?;
         // The ring is stopped until the next SET_VRING_KICK.

@@ -176,6 +176,12 @@ fn disk_ids(d: &Daemon) -> Vec<String> {
         .collect()
 }
 
+/// The number of µs in `line` right after `marker` (`… MARKER 123 µs …`).
+fn micros_after(line: &str, marker: &str) -> Option<u64> {
+    let (_, rest) = line.split_once(marker)?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
 /// Where the two sides of the migration are.
 enum Sides<'a> {
     /// One blkplaned serves both disks (`--incoming-for`); the QEMUs migrate over a UNIX
@@ -497,11 +503,34 @@ impl Host<'_> {
         }
         // Tell the guest: its next fio round runs on the destination alone.
         self.write_marker(MIGRATED_OFFSET, "BLKPLANE-MIGRATED")?;
+        // The disk's share of the downtime: the source's ring stops (each waits for its
+        // requests in flight and fdatasyncs the image) and the destination's cache drop.
+        let stops: Vec<u64> = self
+            .src_log
+            .lines()
+            .filter_map(|l| micros_after(l, "stopped for migration in "))
+            .collect();
+        let dst_log = read_lossy(&dst_daemon.disks_dir().join("dst.log"));
+        let drop = dst_log
+            .lines()
+            .find_map(|l| micros_after(l, "before serving, in "))
+            .map_or_else(
+                || "no cache drop (one node)".to_string(),
+                |us| format!("cache drop {us} µs"),
+            );
+        if stops.len() != usize::from(QUEUES) {
+            return Err(format!(
+                "the source frontend logged {} ring stops for migration, not {QUEUES}:\n{}",
+                stops.len(),
+                self.src_log
+            ));
+        }
         let summary = format!(
             "migrate: completed in {took:.1?}; after the first pass (32 MiB/s) had sent every \
              page, the guest {} while {} MiB had been sent; QEMU: total {} ms, downtime {} ms, {} MiB of RAM \
-             sent, {} dirty syncs; source {src_state}, destination running; src retired \
-             {retired:.1?} after the destination ran (dst serves alone, migratable: {})",
+             sent, {} dirty syncs; disk switch-over: source ring stops {stops:?} µs (in flight \
+             and fdatasync), destination {drop}; source {src_state}, destination running; src \
+             retired {retired:.1?} after the destination ran (dst serves alone, migratable: {})",
             filled
                 .split_once("BLKPLANE-INFO ")
                 .map_or(filled.as_str(), |(_, f)| f),

@@ -17,7 +17,9 @@
 //!   `disk migrate --cancel` there, when the destination cannot); a destination whose VM runs
 //!   after the source node cancelled is told that the source was not retired;
 //! - a source node that accepts the connection and never answers is given up after the peer
-//!   deadline, with UNAVAILABLE and nothing left behind.
+//!   deadline, with UNAVAILABLE and nothing left behind;
+//! - both blkplaned SIGKILLed and restarted during a migration: it is still recorded on both
+//!   sides, the frontends are adopted, and the takeover still happens.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -499,4 +501,78 @@ fn shared_storage_migration_between_two_blkplaned() {
         "shared_storage_migration_between_two_blkplaned took {:.1?}",
         t0.elapsed()
     );
+}
+
+/// Both sides of a migration are persisted: each node's blkplaned SIGKILLed and restarted
+/// while the migration is under way finds it again (the source disk still records it, the
+/// destination is still incoming, both frontends adopted, not restarted), and the takeover
+/// still happens once the source VMM goes.
+#[test]
+fn a_migration_across_nodes_survives_restarts_of_both_blkplaned() {
+    let certs = TempDir::new("mn-restart-certs");
+    make_test_certs(certs.path());
+    let mut a = node("node-a", certs.path(), true);
+    let mut b = node("node-b", certs.path(), true);
+    let images = TempDir::new("mn-restart-img");
+    let img = create_image(&images.join("shared.img"), 8 * MIB);
+    let src = add_disk(&a.daemon, "src", &img, &[]);
+    let src_pid = src.get("frontend_pid").u64() as u32;
+    let mut source_vmm = RawDevice::connect_negotiating(
+        &socket_of(&src),
+        1,
+        128,
+        VhostUserProtocolFeatures::LOG_SHMFD,
+    )
+    .unwrap_or_else(|e| panic!("connect src: {e}"));
+    let data = pattern(7, CHUNK);
+    let w = source_vmm.write(0, 0, &data);
+    assert_eq!(w.status_u32(), Some(VIRTIO_BLK_S_OK), "{w:?}");
+    a.daemon.wait_disk("src", "running its rings", |j| {
+        j.get("vmm_connected").bool() && any_ring_running(j)
+    });
+    let dst = b.daemon.ctl_json(&[
+        "disk",
+        "add",
+        "dst",
+        "--incoming-from",
+        &format!("{}/src", a.endpoint),
+        "--shared",
+    ]);
+    let dst_pid = dst.get("frontend_pid").u64() as u32;
+
+    a.daemon.kill9();
+    a.daemon.spawn();
+    let src = a.daemon.wait_disk("src", "adopted", |j| {
+        j.get("frontend_pid").u64() as u32 == src_pid && j.get("vmm_connected").bool()
+    });
+    assert_eq!(src.get("config").get("outgoing").get("disk").str(), "dst");
+    b.daemon.kill9();
+    b.daemon.spawn();
+    let dst = b.daemon.wait_disk("dst", "adopted", |j| {
+        j.get("frontend_pid").u64() as u32 == dst_pid
+    });
+    assert_eq!(
+        dst.get("config").get("incoming_from").get("disk").str(),
+        "src"
+    );
+
+    // The VM moves: the destination VMM runs, the source VMM goes.
+    let mut dest_vmm = Client::connect_with(&socket_of(&dst), &ClientOptions::default())
+        .unwrap_or_else(|e| panic!("connect dst: {e}"));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(a.daemon.state_ids(), ["src"], "retired while its rings ran");
+    drop(source_vmm);
+    assert!(
+        wait_for(TIMEOUT, || a.daemon.state_ids().is_empty().then_some(())).is_some(),
+        "src was not retired after the restarts"
+    );
+    b.daemon.wait_disk("dst", "taken over", |j| {
+        j.get("config").get("incoming_from") == &Json::Null
+    });
+    let back = dest_vmm
+        .queue(0)
+        .read_at(0, CHUNK)
+        .unwrap_or_else(|e| panic!("read through dst: {e}"));
+    assert_same_data("src's write through dst", &back, &data);
+    assert!(alive(dst_pid));
 }
