@@ -145,10 +145,12 @@ impl IothreadLink {
         self.poll_max_us = u32::try_from(max.as_micros()).unwrap_or(u32::MAX);
     }
 
-    /// The control socket, which reports hang-up when the process dies; `None` when no
-    /// process runs.
-    pub fn control_fd(&self) -> Option<RawFd> {
-        self.process.as_ref().map(|p| p.control.as_raw_fd())
+    /// The process's pidfd, readable once it has exited: what the worker watches for the
+    /// iothread's death. (Not the control socket: it is also readable while a reply is owed,
+    /// such as the one to an announced dirty log, and a live iothread would then be taken for
+    /// a dead one and replaced.) `None` when no process runs.
+    pub fn death_fd(&self) -> Option<RawFd> {
+        self.process.as_ref().map(|p| p.pidfd.as_raw_fd())
     }
 
     /// How the process the last [`IothreadLink::start`] replaced had ended (`None` if none

@@ -215,7 +215,7 @@ impl WorkerHandle {
         worker.watch(worker.wake.as_raw_fd(), TOKEN_COMMAND)?;
         worker.watch(worker.link.complete_event.as_raw_fd(), TOKEN_COMPLETION)?;
         worker.watch(worker.throttle_timer.as_raw_fd(), TOKEN_THROTTLE)?;
-        if let Some(fd) = worker.link.control_fd() {
+        if let Some(fd) = worker.link.death_fd() {
             worker.watch(fd, TOKEN_IOTHREAD)?;
         }
         let thread = std::thread::Builder::new()
@@ -660,7 +660,7 @@ impl Worker {
             self.flush();
             let mut died = std::mem::take(&mut self.replace_iothread);
             if !died && self.core.prepare_to_wait_for_completions() {
-                let control = self.link.control_fd().unwrap_or(-1);
+                let death = self.link.death_fd().unwrap_or(-1);
                 let mut fds = [
                     libc::pollfd {
                         fd: self.link.complete_event.as_raw_fd(),
@@ -668,7 +668,7 @@ impl Worker {
                         revents: 0,
                     },
                     libc::pollfd {
-                        fd: control,
+                        fd: death,
                         events: libc::POLLIN,
                         revents: 0,
                     },
@@ -682,7 +682,7 @@ impl Worker {
                 // SAFETY: polls three descriptors described by a local array.
                 let _ = unsafe { libc::poll(fds.as_mut_ptr(), 3, 1000) };
                 self.core.woke_up();
-                died = control < 0 || fds[1].revents != 0;
+                died = death < 0 || fds[1].revents != 0;
                 self.link.clear_completion_event();
                 if fds[2].revents != 0 {
                     self.throttle_timer_fired();
@@ -698,7 +698,7 @@ impl Worker {
     /// used rings; the inflight regions say what that is ([`QueueCore::iothread_gone`]).
     fn restart_iothread(&mut self) {
         let old_pid = self.link.pid();
-        if let Some(fd) = self.link.control_fd() {
+        if let Some(fd) = self.link.death_fd() {
             self.unwatch(fd);
         }
         // Reaped before returning, so none of its I/O can still land after a resubmission.
@@ -743,7 +743,7 @@ impl Worker {
                 .last_restart_unix_ms
                 .store(now_ms, std::sync::atomic::Ordering::Relaxed);
         }
-        if let Some(fd) = self.link.control_fd() {
+        if let Some(fd) = self.link.death_fd() {
             if let Err(e) = self.watch(fd, TOKEN_IOTHREAD) {
                 error!("worker {}: cannot watch iothread: {e}", self.index);
             }

@@ -264,5 +264,12 @@ fn written_pages_are_marked_while_logging_and_refusals_keep_the_session() {
     dev.read(0, 0, 8192);
     assert_eq!(log.take(), BTreeSet::new(), "marked after logging stopped");
     dev.assert_alive(0, "logging stopped");
+    // Starting and stopping logging left the iothread alone (the reply it owes the worker
+    // for an announced log was once taken for its death, and it was killed and replaced).
+    let stderr = fe.stderr();
+    assert!(
+        !stderr.contains("replaced iothread"),
+        "dirty logging replaced the iothread:\n{stderr}"
+    );
     fe.finish();
 }

@@ -518,6 +518,18 @@ impl Host<'_> {
                 || "no cache drop (one node)".to_string(),
                 |us| format!("cache drop {us} µs"),
             );
+        // Dirty logging must not cost the source its iothreads (a reply owed on the control
+        // socket was once taken for an iothread's death, and every migration start replaced
+        // them all).
+        if let Some(l) = self
+            .src_log
+            .lines()
+            .find(|l| l.contains("replaced iothread"))
+        {
+            return Err(format!(
+                "the source frontend replaced an iothread during the migration: {l}"
+            ));
+        }
         if stops.len() != usize::from(QUEUES) {
             return Err(format!(
                 "the source frontend logged {} ring stops for migration, not {QUEUES}:\n{}",
