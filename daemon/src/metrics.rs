@@ -32,6 +32,7 @@ use crate::daemon::Daemon;
 use crate::migration;
 use crate::pb::{DiskState, MigrationBlockerReason as Reason};
 use crate::runtime::serving;
+use crate::supervisor::DiskHandle;
 
 mod http;
 mod render;
@@ -68,6 +69,45 @@ pub struct DiskMetrics {
     /// Per-queue statistics read at this scrape; `None` when no frontend runs or it did not
     /// answer within [`STATS_TIMEOUT`].
     pub queues: Option<Vec<QueueStats>>,
+    /// The live migration the disk takes part in now, if any.
+    pub migration: Option<MigrationRole>,
+}
+
+/// A disk's part in a live migration under way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationRole {
+    /// `source` or `destination`.
+    pub role: &'static str,
+    /// The other side: a disk of this node (`ID`), or of another (`ID@NODE` for a
+    /// destination there, `ID@HOST:PORT` for a source there).
+    pub peer: String,
+}
+
+/// The migration `disk` takes part in, as the metrics name it.
+fn migration_role(daemon: &Daemon, disk: &DiskHandle) -> Option<MigrationRole> {
+    let rt = disk.runtime();
+    let destination = |peer| {
+        Some(MigrationRole {
+            role: "destination",
+            peer,
+        })
+    };
+    let source = |peer| {
+        Some(MigrationRole {
+            role: "source",
+            peer,
+        })
+    };
+    if let Some(from) = &rt.incoming_for {
+        return destination(from.clone());
+    }
+    if let Some(from) = &rt.incoming_from {
+        return destination(format!("{}@{}", from.disk, from.endpoint));
+    }
+    if let Some(to) = &rt.lifecycle.outgoing {
+        return source(format!("{}@{}", to.disk, to.node));
+    }
+    daemon.incoming_disk_of(&disk.spec.id).and_then(source)
 }
 
 /// The disk states as series of `blkplane_disk_state`, in the API's order.
@@ -116,6 +156,7 @@ pub async fn collect(daemon: &Daemon) -> Snapshot {
                 .collect(),
             status: rt.status.filter(|_| rt.pid != 0),
             queues: None,
+            migration: migration_role(daemon, &disk),
         });
     }
     while let Some(done) = asks.join_next().await {

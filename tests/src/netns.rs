@@ -40,7 +40,11 @@ impl TwoNodes {
         let [a, b] = &nodes.names;
         ip(&["netns", "add", a])?;
         ip(&["netns", "add", b])?;
-        let (va, vb) = (format!("v{pid}a"), format!("v{pid}b"));
+        // Interface names are global to the machine until moved, and at most 15 bytes: the
+        // pid and a number per pair of this process.
+        static PAIRS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (va, vb) = (format!("v{pid}.{n}a"), format!("v{pid}.{n}b"));
         ip(&[
             "link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b,
         ])?;

@@ -741,38 +741,6 @@ fn link_binaries(dir: &Path) -> PathBuf {
 
 /// The node's hostPath directories, as mounted into the container, and where the test put
 /// them instead.
-/// The node the pod of [`container_env`] runs on (the downward API's `spec.nodeName`).
-const TEST_NODE: &str = "test-node-1";
-
-/// A container's environment as the kubelet sets it: plain values (paths rewritten to this
-/// host's directories), and the downward API's `spec.nodeName` as [`TEST_NODE`].
-fn container_env(c: &Json, host: &HostDirs) -> Vec<(String, String)> {
-    c.get("env")
-        .arr()
-        .iter()
-        .map(|env| {
-            let name = env.get("name").str().to_string();
-            let value = match env.field("value") {
-                Some(Json::Str(v)) => host.rewrite(v),
-                _ => {
-                    let path = env.get("valueFrom").get("fieldRef").get("fieldPath").str();
-                    assert_eq!(path, "spec.nodeName", "{name}: an unexpected fieldRef");
-                    TEST_NODE.to_string()
-                }
-            };
-            (name, value)
-        })
-        .collect()
-}
-
-/// `arg` with every `$(NAME)` of `env` replaced by its value, as the kubelet expands a
-/// container's arguments.
-fn expand_env(arg: &str, env: &[(String, String)]) -> String {
-    env.iter().fold(arg.to_string(), |a, (name, value)| {
-        a.replace(&format!("$({name})"), value)
-    })
-}
-
 struct HostDirs {
     /// (path in the manifest, temporary directory), longest path first.
     map: Vec<(String, PathBuf)>,
@@ -1082,8 +1050,8 @@ fn run_rendered_daemon(tag: &str, values: Option<&Path>, set: &[&str]) {
     }
     let socket = host.get(&socket_dirs[0]).join("vd0.sock");
     let mut add = Command::new(bin.join("blkplanectl"));
-    for (name, value) in container_env(c, &host) {
-        add.env(name, value);
+    for env in c.get("env").arr() {
+        add.env(env.get("name").str(), host.rewrite(env.get("value").str()));
     }
     add.args(["disk", "add", "vd0", "--image"])
         .arg(&image)
@@ -1229,16 +1197,10 @@ fn start(docs: &[Json], bin: &Path, node: &Path, log: &Path) -> (Running, HostDi
         );
     }
 
-    let env = container_env(c, &host);
     let args: Vec<String> = at_strs(c, &["args"])
         .iter()
-        .map(|a| host.rewrite(&expand_env(a, &env)))
+        .map(|a| host.rewrite(a))
         .collect();
-    assert!(
-        args.windows(2)
-            .any(|w| w[0] == "--node-name" && w[1] == TEST_NODE),
-        "blkplaned is not named after the Kubernetes node: {args:?}"
-    );
     let runtime = args
         .windows(2)
         .find(|w| w[0] == "--runtime-dir")
@@ -1251,8 +1213,8 @@ fn start(docs: &[Json], bin: &Path, node: &Path, log: &Path) -> (Running, HostDi
         .stdin(Stdio::null())
         .stdout(logf.try_clone().unwrap())
         .stderr(logf);
-    for (name, value) in &env {
-        cmd.env(name, value);
+    for env in c.get("env").arr() {
+        cmd.env(env.get("name").str(), host.rewrite(env.get("value").str()));
     }
     if user.is_some_and(|(uid, _)| uid == 0) {
         // As the container runtime starts it: only the added capabilities, no_new_privs.

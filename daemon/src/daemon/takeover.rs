@@ -36,6 +36,11 @@ impl Daemon {
             .map(|d| (id.to_string(), d.spec.id.clone()))
     }
 
+    /// The id of the disk of this node that is incoming for disk `id`, if one is.
+    pub fn incoming_disk_of(&self, id: &str) -> Option<String> {
+        self.migration_of_id(id).map(|(_, destination)| destination)
+    }
+
     /// The incoming disks whose VMM, by the supervisor's last poll, runs the migrated VM.
     pub(super) fn takeover_candidates(&self) -> Vec<String> {
         lock(&self.disks)

@@ -277,6 +277,26 @@ impl Collector for Scrape {
         f.write(e)?;
 
         let mut f = Family::new(
+            "blkplane_disk_migration",
+            "1 while the disk takes part in a live migration: as its source or its destination, \
+             with the disk on the other side (ID on this node, ID@NODE or ID@HOST:PORT on \
+             another). Absent otherwise.",
+        );
+        for d in disks {
+            if let Some(m) = &d.migration {
+                f.add(
+                    &[
+                        ("disk", d.id.as_str()),
+                        ("role", m.role),
+                        ("peer", m.peer.as_str()),
+                    ],
+                    flag(true),
+                );
+            }
+        }
+        f.write(e)?;
+
+        let mut f = Family::new(
             "blkplane_disk_stats_available",
             "1 if the disk's frontend answered this scrape's statistics request (then its \
              blkplane_queue_* series are present), 0 if none runs or it did not answer in time.",
@@ -414,6 +434,7 @@ impl Collector for Scrape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::MigrationRole;
     use crate::pb::{DiskState, MigrationBlockerReason as Reason};
     use blkplane_proto::v1::{FrontendStatus, RejectionCount};
 
@@ -464,6 +485,10 @@ mod tests {
                     }),
                     blockers: vec![Reason::UnsupportedFeature],
                     queues: Some(vec![queue(0), queue(1)]),
+                    migration: Some(MigrationRole {
+                        role: "source",
+                        peer: "a2@node-b".into(),
+                    }),
                 },
                 DiskMetrics {
                     id: "b".into(),
@@ -472,6 +497,7 @@ mod tests {
                     status: None,
                     blockers: vec![Reason::FrontendRestarting, Reason::OperatorBackup],
                     queues: None,
+                    migration: None,
                 },
             ],
         }
@@ -557,6 +583,11 @@ mod tests {
         assert!(text.contains("blkplane_disk_state{disk=\"a\",state=\"connected\"} 1\n"));
         assert!(text.contains("blkplane_disk_state{disk=\"a\",state=\"ready\"} 0\n"));
         assert!(text.contains("blkplane_disk_state{disk=\"b\",state=\"failed\"} 1\n"));
+        // Only a disk in a migration has a migration series.
+        assert!(text.contains(
+            "blkplane_disk_migration{disk=\"a\",role=\"source\",peer=\"a2@node-b\"} 1\n"
+        ));
+        assert!(!text.contains("blkplane_disk_migration{disk=\"b\""));
         assert_eq!(
             lines(&text, "blkplane_disk_state{disk=\"b\"").len(),
             STATES.len()
