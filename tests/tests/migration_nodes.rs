@@ -19,7 +19,9 @@
 //! - a source node that accepts the connection and never answers is given up after the peer
 //!   deadline, with UNAVAILABLE and nothing left behind;
 //! - both blkplaned SIGKILLed and restarted during a migration: it is still recorded on both
-//!   sides, the frontends are adopted, and the takeover still happens.
+//!   sides, the frontends are adopted, and the takeover still happens — also after the source
+//!   node's blkplaned was frozen (SIGSTOP) through the handover, during which the
+//!   destination's own API kept answering.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -556,15 +558,40 @@ fn a_migration_across_nodes_survives_restarts_of_both_blkplaned() {
         "src"
     );
 
-    // The VM moves: the destination VMM runs, the source VMM goes.
+    // The VM moves: the destination VMM runs, the source VMM goes — while node-a's
+    // blkplaned is frozen (SIGSTOP: its kernel still accepts connections, nothing answers),
+    // as a node that hangs or a network that drops everything. node-b's takeover attempts
+    // wait for their deadline; its own API goes on meanwhile.
     let mut dest_vmm = Client::connect_with(&socket_of(&dst), &ClientOptions::default())
         .unwrap_or_else(|e| panic!("connect dst: {e}"));
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(a.daemon.state_ids(), ["src"], "retired while its rings ran");
+    kill(a.daemon.pid(), libc::SIGSTOP);
     drop(source_vmm);
+    std::thread::sleep(Duration::from_secs(1));
+    let other = create_image(&images.join("other.img"), MIB);
+    let asked = Instant::now();
+    add_disk(&b.daemon, "other", &other, &[]);
+    b.daemon.ctl_ok(&["disk", "remove", "other"]);
     assert!(
-        wait_for(TIMEOUT, || a.daemon.state_ids().is_empty().then_some(())).is_some(),
-        "src was not retired after the restarts"
+        asked.elapsed() < Duration::from_secs(5),
+        "node-b's API waited {:?} for a frozen node-a",
+        asked.elapsed()
+    );
+    assert_ne!(
+        b.daemon.disk("dst").get("config").get("incoming_from"),
+        &Json::Null,
+        "taken over while the source node could not answer"
+    );
+    kill(a.daemon.pid(), libc::SIGCONT);
+    assert!(
+        wait_for(Duration::from_secs(40), || a
+            .daemon
+            .state_ids()
+            .is_empty()
+            .then_some(()))
+        .is_some(),
+        "src was not retired after the restarts and the freeze"
     );
     b.daemon.wait_disk("dst", "taken over", |j| {
         j.get("config").get("incoming_from") == &Json::Null
