@@ -93,6 +93,14 @@ impl PeerError {
         }
     }
 
+    /// Whether the other node answered that the call does not fit the disk's state there
+    /// (FAILED_PRECONDITION of its own, not a TLS refusal or this node's lack of credentials).
+    pub fn is_refused_precondition(&self) -> bool {
+        matches!(self, PeerError::Refused { status, .. }
+            if status.code() == tonic::Code::FailedPrecondition
+                && !is_tls_refusal(status.message()))
+    }
+
     /// Whether the other node answered that it has no such disk.
     pub fn is_not_found(&self) -> bool {
         matches!(self, PeerError::Refused { status, .. } if status.code() == tonic::Code::NotFound)
@@ -191,6 +199,14 @@ mod tests {
             tonic::Code::FailedPrecondition
         );
         assert!(refused(tonic::Status::not_found("no")).is_not_found());
+        assert!(
+            refused(tonic::Status::failed_precondition("no migration")).is_refused_precondition()
+        );
+        assert!(!PeerError::NoCredentials.is_refused_precondition());
+        assert!(!refused(tonic::Status::failed_precondition(
+            "invalid peer certificate: UnknownIssuer"
+        ))
+        .is_refused_precondition());
         assert_eq!(
             refused(tonic::Status::cancelled("gone")).code(),
             tonic::Code::Unavailable

@@ -128,9 +128,7 @@ impl Daemon {
             Err(e) if e.is_not_found() => None,
             // The source node no longer records this migration: it was cancelled there while
             // the VM came to run here.
-            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
-                Some(TakeoverWait::SourceForgot)
-            }
+            Err(e) if e.is_refused_precondition() => Some(TakeoverWait::SourceForgot),
             Err(e) => {
                 warn!("disk {id}: asking {from} to retire: {e}");
                 Some(TakeoverWait::SourceUnknown)
