@@ -65,6 +65,61 @@ impl fmt::Display for HostPort {
     }
 }
 
+impl HostPort {
+    /// Why the server at this address closes a TLS connection, if a handshake of this side's
+    /// own with the same PEM files tells: with TLS 1.3 a server refuses a client certificate
+    /// only after the client finished its handshake, with an alert that tonic's transport
+    /// drops ("broken pipe", "operation was canceled"). Returns the failure's
+    /// [`error_chain`] when it is a TLS refusal ([`is_tls_refusal`]); `None` when the
+    /// handshake and the first read show nothing wrong within `timeout`, or the files are
+    /// not usable.
+    pub async fn tls_refusal(
+        &self,
+        ca: &[u8],
+        cert: &[u8],
+        key: &[u8],
+        timeout: std::time::Duration,
+    ) -> Option<String> {
+        use std::sync::Arc;
+        use tokio::io::AsyncReadExt;
+        use tokio_rustls::rustls;
+        use tokio_rustls::rustls::pki_types::pem::PemObject;
+        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(ca) {
+            roots.add(cert.ok()?).ok()?;
+        }
+        let chain = CertificateDer::pem_slice_iter(cert)
+            .collect::<Result<Vec<_>, _>>()
+            .ok()?;
+        let key = PrivateKeyDer::from_pem_slice(key).ok()?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .ok()?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .ok()?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let name = ServerName::try_from(self.host.clone()).ok()?;
+        let probe = async {
+            let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
+            let mut stream = tokio_rustls::TlsConnector::from(Arc::new(config))
+                .connect(name, tcp)
+                .await?;
+            // A server that took the certificate waits for the HTTP/2 preface: nothing comes
+            // until the timeout. One that refused it has sent its alert.
+            let mut byte = [0u8; 1];
+            stream.read(&mut byte).await.map(|_| ())
+        };
+        match tokio::time::timeout(timeout, probe).await {
+            Ok(Err(e)) => Some(error_chain(&e)).filter(|text| is_tls_refusal(text)),
+            _ => None,
+        }
+    }
+}
+
 /// `error` and its sources, each once, joined by ": " (tonic's own Display of a transport
 /// error says only "transport error").
 pub fn error_chain(error: &dyn std::error::Error) -> String {

@@ -6,16 +6,11 @@ use std::error::Error as StdError;
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use blkplane_api::endpoint::HostPort;
 use blkplane_api::names::ADMIN_SOCKET_SUFFIX;
 use thiserror::Error;
-use tokio::io::AsyncReadExt;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tonic::transport::{Channel, Endpoint};
 
 /// Where blkplanectl looks for blkplaned when neither option nor variable names it: the
@@ -323,37 +318,14 @@ impl Target {
         let (Address::Tcp { host, port }, Some(tls)) = (&self.address, &self.tls) else {
             return None;
         };
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(&tls.ca) {
-            roots.add(cert.ok()?).ok()?;
-        }
-        let chain = CertificateDer::pem_slice_iter(&tls.cert)
-            .collect::<Result<Vec<_>, _>>()
-            .ok()?;
-        let key = PrivateKeyDer::from_pem_slice(&tls.key).ok()?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .ok()?
-            .with_root_certificates(roots)
-            .with_client_auth_cert(chain, key)
-            .ok()?;
-        config.alpn_protocols = vec![b"h2".to_vec()];
-        let name = ServerName::try_from(host.clone()).ok()?;
-        let probe = async {
-            let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
-            let mut stream = tokio_rustls::TlsConnector::from(Arc::new(config))
-                .connect(name, tcp)
-                .await?;
-            // A server that took the certificate waits for the HTTP/2 preface: nothing comes
-            // until the timeout. One that refused it has sent its alert.
-            let mut byte = [0u8; 1];
-            stream.read(&mut byte).await.map(|_| ())
+        let address = HostPort {
+            host: host.clone(),
+            port: *port,
         };
-        match tokio::time::timeout(timeout, probe).await {
-            Ok(Err(e)) => tls_refusal(&e),
-            _ => None,
-        }
+        let text = address
+            .tls_refusal(&tls.ca, &tls.cert, &tls.key, timeout)
+            .await?;
+        tls_refusal(&std::io::Error::other(text))
     }
 
     fn unreachable(&self, reason: String) -> ConnectError {

@@ -204,6 +204,9 @@ pub struct Daemon {
     node_name: String,
     /// Other nodes' blkplaned.
     peers: Peers,
+    /// Ids of removed incoming disks whose source node is still being told (RemoveDisk):
+    /// AddDisk refuses them meanwhile.
+    cancelling: Mutex<std::collections::BTreeSet<String>>,
     _locks: [DirLock; 2],
 }
 
@@ -421,6 +424,17 @@ impl Daemon {
             }
             .into());
         }
+        if lock(&self.cancelling).contains(&req.id) {
+            return Err(ValidationError::AlreadyExists {
+                field: "id",
+                reason: format!(
+                    "disk {:?} was just removed, and the node of its migration's source is \
+                     still being told; try again",
+                    req.id
+                ),
+            }
+            .into());
+        }
         // The takeover retires the disk by this name: a new disk must not get it.
         if let Some((source, destination)) = self.migration_of_id(&req.id) {
             return Err(ValidationError::AlreadyExists {
@@ -575,12 +589,17 @@ impl Daemon {
         }
         let incoming_from = disk.runtime().incoming_from;
         self.forget_and_stop(id, &disk, String::new()).await?;
-        drop(_ops);
         // An incoming disk from another node: that node's source forgets the migration (asked
-        // without `ops`: a slow node holds up no other call here).
-        if let Some(from) = incoming_from {
-            self.cancel_incoming_from(id, &from).await;
-        }
+        // without `ops`: a slow node holds up no other call here). Until it has been told,
+        // the id is not given to a new disk, whose migration from the same source the late
+        // cancel would otherwise erase there.
+        let Some(from) = incoming_from else {
+            return Ok(());
+        };
+        lock(&self.cancelling).insert(id.to_string());
+        drop(_ops);
+        self.cancel_incoming_from(id, &from).await;
+        lock(&self.cancelling).remove(id);
         Ok(())
     }
 

@@ -13,6 +13,8 @@ use crate::pb::control_client::ControlClient;
 
 /// How long connecting to another node's blkplaned, and each call to it, may take.
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the handshake that tells a TLS refusal from a dropped connection may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The PEM material this blkplaned shows and trusts when it calls another node's.
 #[derive(Clone)]
@@ -62,7 +64,7 @@ pub enum PeerError {
         why: String,
     },
     /// It answered with an error.
-    #[error("the blkplaned at {endpoint} refused: {}", .status.message())]
+    #[error("the blkplaned at {endpoint} refused: {}", refusal_text(.status))]
     Refused {
         /// `HOST:PORT`.
         endpoint: String,
@@ -81,7 +83,7 @@ impl PeerError {
             PeerError::Unreachable { .. } => tonic::Code::Unavailable,
             PeerError::Refused { status, .. } => match status.code() {
                 // A TLS refusal that TLS 1.3 shows only at the first call: no retry helps.
-                _ if is_tls_refusal(status.message()) => tonic::Code::FailedPrecondition,
+                _ if is_tls_refusal(&refusal_text(status)) => tonic::Code::FailedPrecondition,
                 // Its deadline, or a transport failure tonic reports as a status.
                 tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
                     tonic::Code::Unavailable
@@ -98,12 +100,22 @@ impl PeerError {
     pub fn is_refused_precondition(&self) -> bool {
         matches!(self, PeerError::Refused { status, .. }
             if status.code() == tonic::Code::FailedPrecondition
-                && !is_tls_refusal(status.message()))
+                && !is_tls_refusal(&refusal_text(status)))
     }
 
     /// Whether the other node answered that it has no such disk.
     pub fn is_not_found(&self) -> bool {
         matches!(self, PeerError::Refused { status, .. } if status.code() == tonic::Code::NotFound)
+    }
+}
+
+/// A status's words: its message, and for a transport failure (whose message says only
+/// "transport error") the errors behind it.
+fn refusal_text(status: &tonic::Status) -> String {
+    use std::error::Error;
+    match status.source() {
+        Some(behind) => format!("{}: {}", status.message(), chain(behind)),
+        None => status.message().to_string(),
     }
 }
 
@@ -163,6 +175,33 @@ impl Peers {
         let client = self.client(endpoint).await?;
         match tokio::time::timeout(PEER_TIMEOUT, call(client)).await {
             Ok(Ok(response)) => Ok(response.into_inner()),
+            // The connection closed under the call: with TLS 1.3 that is how a refused client
+            // certificate shows (the alert is dropped on the way); a handshake of our own says.
+            Ok(Err(status))
+                if matches!(
+                    status.code(),
+                    tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::Unavailable
+                ) =>
+            {
+                let refusal = match &self.tls {
+                    Some(tls) => {
+                        endpoint
+                            .tls_refusal(&tls.ca, &tls.cert, &tls.key, PROBE_TIMEOUT)
+                            .await
+                    }
+                    None => None,
+                };
+                Err(match refusal {
+                    Some(why) => PeerError::Tls(format!(
+                        "the blkplaned at {endpoint} refused this node's certificate ({why}): \
+                         --peer-tls-cert must be signed by the CA of its --tls-client-ca"
+                    )),
+                    None => PeerError::Refused {
+                        endpoint: endpoint.to_string(),
+                        status,
+                    },
+                })
+            }
             Ok(Err(status)) => Err(PeerError::Refused {
                 endpoint: endpoint.to_string(),
                 status,

@@ -243,6 +243,7 @@ pub struct RemoteSource {
     /// The name this node gave itself when the source node agreed (its `--node-name` then),
     /// so that the source node still recognises its destination if the name changes (a
     /// restart with another `--node-name` or host name) before the takeover.
+    #[serde(default)]
     pub as_node: String,
 }
 

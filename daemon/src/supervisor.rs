@@ -160,6 +160,20 @@ impl DiskHandle {
         disk
     }
 
+    /// Records why this incoming disk's takeover waits now; returns whether that is news (to
+    /// be reported). An unanswered status between two both-serving answers is not: both
+    /// sides were seen serving and nothing since says otherwise.
+    pub fn note_takeover_wait(&self, wait: TakeoverWait) -> bool {
+        let mut current = lock(&self.takeover_wait);
+        if *current == Some(wait)
+            || (wait == TakeoverWait::SourceUnknown && *current == Some(TakeoverWait::BothServing))
+        {
+            return false;
+        }
+        *current = Some(wait);
+        true
+    }
+
     /// A copy of the runtime state.
     pub fn runtime(&self) -> Runtime {
         lock(&self.runtime).clone()

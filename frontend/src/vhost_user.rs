@@ -737,25 +737,25 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         self.vring(index)?;
         let asked = Instant::now();
         self.stop(queue)?;
-        if self.logging() {
-            // A migration stops the source's rings before the destination starts its own:
-            // make what they wrote durable first, so that a destination on another host
-            // sharing the storage reads it (on this host the page cache is shared anyway).
-            let stopped = asked.elapsed();
-            if let Err(e) = lifecycle::sync_image(&self.image) {
-                return Err(handler_error(format!(
-                    "queue {queue} stopped for migration, but fdatasync of the image failed: {e}"
-                )));
-            }
-            // What the disk adds to the VM's downtime on this side, for the operator.
-            info!(
-                "queue {queue} stopped for migration in {} µs: requests in flight {} µs, \
-                 fdatasync {} µs",
-                asked.elapsed().as_micros(),
-                stopped.as_micros(),
-                asked.elapsed().saturating_sub(stopped).as_micros()
-            );
+        let stopped = asked.elapsed();
+        // The VMM stops a ring when the VM stops running here — a migration's switch-over
+        // (whether or not LOG_ALL is still on by then: QEMU may end logging first), a VM
+        // stop, a reset. Make what the ring wrote durable before answering, as QEMU flushes
+        // its block devices when it stops a VM, so that a destination on another host
+        // sharing the storage reads it (on this host the page cache is shared anyway).
+        if let Err(e) = lifecycle::sync_image(&self.image) {
+            return Err(handler_error(format!(
+                "queue {queue} stopped, but fdatasync of the image failed: {e}"
+            )));
         }
+        // What the disk adds to a migration's downtime on this side, for the operator.
+        info!(
+            "queue {queue} stopped{} in {} µs: requests in flight {} µs, fdatasync {} µs",
+            if self.logging() { " for migration" } else { "" },
+            asked.elapsed().as_micros(),
+            stopped.as_micros(),
+            asked.elapsed().saturating_sub(stopped).as_micros()
+        );
         let vring = self.vring(index)?;
         // The ring is stopped until the next SET_VRING_KICK.
         vring.kick = None;

@@ -2,7 +2,7 @@
 //! [`QueueCore`] of the virtqueues assigned to that iothread.
 //!
 //! A worker sleeps in epoll on its queues' kick eventfds, its command eventfd, its throttle
-//! timer and its iothread's control socket (which hangs up when the iothread dies). On a kick
+//! timer and its iothread's pidfd (readable once the iothread has died). On a kick
 //! the core pops **every** available chain, validates each into a ring slot, and the worker
 //! publishes the whole batch with one index store — waking the iothread only if it sleeps.
 //!

@@ -240,6 +240,35 @@ fn shared_storage_migration_between_two_blkplaned() {
         assert!(lonely.daemon.state_ids().is_empty());
     }
     nothing_left("no peer certificates");
+    {
+        // A client certificate node-a does not trust: a TLS refusal, which no retry mends.
+        let endpoint = format!("127.0.0.1:{}", free_port());
+        let (mut args, reach) = node_options(certs.path(), &endpoint, "node-d", true);
+        for a in &mut args {
+            for (ours, stranger) in [
+                ("client.pem", "stranger.pem"),
+                ("client.key", "stranger.key"),
+            ] {
+                if a.ends_with(ours) {
+                    *a = certs.path().join(stranger).to_str().unwrap().to_string();
+                }
+            }
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
+        let stranger = Daemon::start_reached_by("mn-node-d", &args, Some(&reach));
+        let msg = stranger.ctl_refused(
+            &add_b(&["--incoming-from", &from("src"), "--shared"]),
+            "FAILED_PRECONDITION",
+            "incoming_from",
+        );
+        assert!(
+            msg.contains("certificate") || msg.contains("alert"),
+            "{msg}"
+        );
+        assert!(stranger.state_ids().is_empty());
+    }
+    nothing_left("an untrusted peer certificate");
     let prepared = events_of(&watch_a, "migration_outgoing", "src").len();
     let cancelled = events_of(&watch_a, "migration_cancelled", "src").len();
     // The size check came after node-a agreed: it was told to forget, each time.

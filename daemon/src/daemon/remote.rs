@@ -14,6 +14,16 @@ use crate::sync::lock;
 
 use super::{Daemon, DaemonError};
 
+/// What telling the source node to forget a migration came to.
+pub(super) enum Cancelled {
+    /// It forgot it.
+    There,
+    /// It no longer has the disk (retired, or removed there).
+    Gone,
+    /// It could not be told, for this reason.
+    Failed(String),
+}
+
 impl Daemon {
     /// The request that names source `from` and this node's disk `id` as the destination
     /// (this node by the name it gave when the source agreed).
@@ -48,14 +58,14 @@ impl Daemon {
             })
     }
 
-    /// Tells the source node to forget the migration of `from` to disk `id` here; returns
-    /// what went wrong, if anything (logged: the source node's operator can cancel there).
+    /// Tells the source node to forget the migration of `from` to disk `id` here; a failure
+    /// is logged too (the source node's operator can cancel there).
     pub(super) async fn cancel_remote_source(
         &self,
         id: &str,
         from: &RemoteSource,
         endpoint: &HostPort,
-    ) -> Option<String> {
+    ) -> Cancelled {
         let request = self.source_request(id, from);
         let cancelled = self
             .peers
@@ -64,16 +74,16 @@ impl Daemon {
             })
             .await;
         match cancelled {
-            Ok(_) => None,
-            // Gone there: nothing to forget.
-            Err(e) if e.is_not_found() => None,
+            Ok(_) => Cancelled::There,
+            // Gone there (retired by an earlier takeover, or removed): nothing to forget.
+            Err(e) if e.is_not_found() => Cancelled::Gone,
             Err(e) => {
                 warn!(
                     "disk {id}: {from} could not be told to forget its migration here: {e}; \
                      cancel it there with blkplanectl disk migrate {} --cancel",
                     from.disk
                 );
-                Some(e.to_string())
+                Cancelled::Failed(e.to_string())
             }
         }
     }
@@ -83,8 +93,14 @@ impl Daemon {
     pub(super) async fn cancel_incoming_from(&self, id: &str, from: &RemoteSource) {
         let message = match HostPort::parse(&from.endpoint) {
             Some(endpoint) => match self.cancel_remote_source(id, from, &endpoint).await {
-                None => format!("the live migration from {from} was cancelled there too"),
-                Some(why) => format!(
+                Cancelled::There => {
+                    format!("the live migration from {from} was cancelled there too")
+                }
+                Cancelled::Gone => format!(
+                    "the live migration from {from} ended: that disk is gone from its node \
+                     (retired or removed), nothing to cancel there"
+                ),
+                Cancelled::Failed(why) => format!(
                     "the live migration from {from} could not be cancelled there ({why}); \
                      cancel it with blkplanectl disk migrate {} --cancel on that node",
                     from.disk
@@ -136,7 +152,7 @@ impl Daemon {
         };
         let pid = disk.runtime().pid;
         if let Some(wait) = wait {
-            let first = lock(&disk.takeover_wait).replace(wait) != Some(wait);
+            let first = disk.note_takeover_wait(wait);
             if first {
                 self.report_takeover_wait(id, &from.to_string(), pid, wait);
             }
@@ -149,6 +165,7 @@ impl Daemon {
             .get(id)
             .is_some_and(|d| std::ptr::eq(Arc::as_ptr(d), disk))
         {
+            info!("disk {id} was removed while {from} was being retired there");
             return Ok(());
         }
         disk.update(|rt| rt.incoming_from = None);

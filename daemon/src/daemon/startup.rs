@@ -79,6 +79,7 @@ impl Daemon {
             startup_done: AtomicBool::new(false),
             node_name: config.node_name,
             peers: config.peers,
+            cancelling: Mutex::new(Default::default()),
             _locks: locks,
         });
         daemon.sweep_orphans(&state).await;

@@ -100,7 +100,7 @@ impl Daemon {
         let source = lock(&self.disks).get(&source_id).cloned();
         if let Some(src) = &source {
             if let Some(wait) = self.source_serves(src).await {
-                let first = lock(&disk.takeover_wait).replace(wait) != Some(wait);
+                let first = disk.note_takeover_wait(wait);
                 if first {
                     self.report_takeover_wait(id, &source_id, rt.pid, wait);
                 }
