@@ -383,6 +383,10 @@ fn serve(socket: &UnixStream, argv: &Argv) -> i32 {
             }
             Err(e) => (e.raw_os_error().unwrap_or(libc::EIO), 0, None),
         };
+        // The predecessor the frontend replaces has exited (the frontend waited for its
+        // pidfd), but its SIGCHLD may not have woken this loop yet: reap it now, so that the
+        // answer says how it ended.
+        children.reap();
         let answer = encode_reply(errno, pid, children.take_ended(index));
         let fds: Vec<RawFd> = pidfd.iter().map(AsRawFd::as_raw_fd).collect();
         if let Err(e) = socket.send_with_fds(&[&answer[..]], &fds) {
