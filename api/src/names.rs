@@ -3,7 +3,8 @@
 //! socket's suffix, which both sides rely on.
 
 use crate::pb::{
-    DiskState, EventKind, ImageFormat, MigrationBlockerReason as Reason, MigrationStorage,
+    DiskState, EventKind, ImageFormat, MigrationBlockerReason as Reason, MigrationCopyPhase,
+    MigrationStorage,
 };
 
 /// The name of an image format as blkplanectl prints it: QEMU's (`raw`, `qcow2`), and `probe`
@@ -24,6 +25,19 @@ pub fn storage_name(storage: MigrationStorage) -> &'static str {
         MigrationStorage::Unspecified => "unspecified",
         MigrationStorage::Shared => "shared",
         MigrationStorage::Local => "local",
+    }
+}
+
+/// The name of a copy's phase (StartMigration) as blkplanectl prints it and the metrics
+/// label it.
+pub fn copy_phase_name(phase: MigrationCopyPhase) -> &'static str {
+    match phase {
+        MigrationCopyPhase::Unspecified => "unspecified",
+        MigrationCopyPhase::Bulk => "bulk",
+        MigrationCopyPhase::Dirty => "dirty",
+        MigrationCopyPhase::Converged => "converged",
+        MigrationCopyPhase::Complete => "complete",
+        MigrationCopyPhase::Failed => "failed",
     }
 }
 
@@ -65,6 +79,11 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Snapshot => "snapshot",
         EventKind::MigrationOutgoing => "migration_outgoing",
         EventKind::MigrationCancelled => "migration_cancelled",
+        EventKind::MigrationCopying => "migration_copying",
+        EventKind::MigrationConverged => "migration_converged",
+        EventKind::MigrationAutoConverge => "migration_auto_converge",
+        EventKind::MigrationCopied => "migration_copied",
+        EventKind::MigrationFailed => "migration_failed",
     }
 }
 
@@ -73,7 +92,7 @@ pub fn kind_name(kind: EventKind) -> &'static str {
 pub const ADMIN_SOCKET_SUFFIX: &str = ".admin";
 
 /// The width of the longest [`kind_name`], so that a column of kinds stays aligned.
-pub const KIND_NAME_WIDTH: usize = 19;
+pub const KIND_NAME_WIDTH: usize = 23;
 
 /// The lower-case name of a reason, as blkplanectl prints it and the frontend logs it.
 pub fn reason_name(reason: Reason) -> &'static str {

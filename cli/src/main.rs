@@ -19,9 +19,9 @@ use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
     AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
     GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ImageFormat,
-    IncomingFrom, ListDisksRequest, MigrationSourceRequest, MigrationStatus, MigrationStorage,
-    RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest,
-    SnapshotRequest, ThrottleConfig, WatchEventsRequest,
+    IncomingFrom, ListDisksRequest, MigrationCopyPhase, MigrationSourceRequest, MigrationStatus,
+    MigrationStorage, RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest,
+    ResumeDiskRequest, SnapshotRequest, StartMigrationRequest, ThrottleConfig, WatchEventsRequest,
 };
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use connect::{ConnectArgs, ConnectError, Target};
@@ -153,14 +153,32 @@ enum DiskCmd {
         /// The disk.
         id: String,
     },
-    /// A live migration of a disk to another node, on the source node: --cancel forgets the
-    /// disk's outgoing migration (blkplaned on the destination node does this itself when its
-    /// incoming disk is removed; this is for when it cannot). The disk serves on untouched.
+    /// A live migration of a disk to another node, on the source node. --to copies the disk
+    /// to its incoming disk DST there (added first on that node with --incoming-from and
+    /// local storage) while the guest runs: every allocated block, then the blocks written
+    /// meanwhile, until the rest fits the switch-over (the `migration_converged` event: migrate
+    /// the VM now); a guest that writes faster than the copy sends is slowed down step by step
+    /// (auto-converge); once the VMM stops the disk's rings the rest is sent and DST serves.
+    /// --cancel forgets the disk's outgoing migration and stops its copy (blkplaned on the
+    /// destination node does this itself when its incoming disk is removed; this is for when
+    /// it cannot). The disk serves on untouched.
     Migrate {
         /// The disk.
         id: String,
+        /// Copy the disk to disk DST on the node whose blkplaned serves HOST:PORT.
+        #[arg(long, value_name = "HOST:PORT/DST", value_parser = parse_incoming_from,
+              required_unless_present = "cancel", conflicts_with = "cancel")]
+        to: Option<IncomingFrom>,
+        /// With --to: the most the copy sends per second (bytes, or with a unit: 200M, 1GiB)
+        /// [default: no limit].
+        #[arg(long, value_name = "SIZE", value_parser = text::parse_size, requires = "to")]
+        bandwidth: Option<u64>,
+        /// With --to: show the copy's progress every second until it is complete or fails
+        /// (exit status 1 when it fails).
+        #[arg(long, requires = "to")]
+        watch: bool,
         /// Cancel its migration to another node.
-        #[arg(long, required = true)]
+        #[arg(long)]
         cancel: bool,
     },
     /// Migration blockers: why a disk must not be live-migrated.
@@ -297,7 +315,9 @@ struct AddArgs {
           value_parser = parse_incoming_from)]
     incoming_from: Option<IncomingFrom>,
     /// With --incoming-from: the image is on shared storage (nothing is copied). Without it
-    /// the image would be copied from the source node, which is not built yet (refused).
+    /// the source node copies the disk here (`blkplanectl disk migrate SRC --to` there):
+    /// --image is the new image, which blkplaned creates (it must not exist), and the disk
+    /// serves nothing until the copy is complete.
     #[arg(long, requires = "incoming_from")]
     shared: bool,
     /// Run the disk's processes as this user, group and supplementary groups (numeric ids;
@@ -510,6 +530,48 @@ const REFUSAL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Kubernetes bounds it too, but a person running it by hand has no such bound).
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// `disk migrate --to --watch`: the copy's progress every second (a line each, JSON with
+/// `-o json`) until it is complete (success) or fails (exit status 1).
+async fn watch_copy(
+    client: &mut ControlClient<Channel>,
+    id: &str,
+    format: Format,
+) -> Result<(), Failure> {
+    loop {
+        let disk = client
+            .get_disk(GetDiskRequest { id: id.to_string() })
+            .await?
+            .into_inner();
+        let Some(copy) = disk.migration_copy else {
+            return Err(Failure::Message(format!(
+                "disk {id} has no copy to another node"
+            )));
+        };
+        let shown = match format {
+            Format::Json => print_json_line(&output::copy_json(&copy)),
+            Format::Table => {
+                let mut out = std::io::stdout();
+                writeln!(out, "{}", output::copy_line(&copy))
+                    .and_then(|_| out.flush())
+                    .is_ok()
+            }
+        };
+        if !shown {
+            return Ok(());
+        }
+        match MigrationCopyPhase::try_from(copy.phase) {
+            Ok(MigrationCopyPhase::Complete) => return Ok(()),
+            Ok(MigrationCopyPhase::Failed) => {
+                return Err(Failure::Message(format!(
+                    "the copy of disk {id} failed: {}",
+                    copy.failure
+                )))
+            }
+            _ => tokio::time::sleep(Duration::from_secs(1)).await,
+        }
+    }
+}
+
 /// `blkplanectl health`: prints the status of `service`; SERVING is success, anything else
 /// a failure (exit status 1).
 async fn health(channel: Channel, service: String, format: Format) -> Result<(), Failure> {
@@ -652,7 +714,32 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
                 Format::Table => println!("removed {id}"),
             }
         }
-        Cmd::Disk(DiskCmd::Migrate { id, cancel: _ }) => {
+        Cmd::Disk(DiskCmd::Migrate {
+            id,
+            to: Some(to),
+            bandwidth,
+            watch,
+            cancel: _,
+        }) => {
+            let disk = client
+                .start_migration(StartMigrationRequest {
+                    id: id.clone(),
+                    to_endpoint: to.endpoint,
+                    to_disk: to.disk,
+                    bandwidth_bytes_per_second: bandwidth.unwrap_or(0),
+                })
+                .await?
+                .into_inner();
+            if !watch {
+                match format {
+                    Format::Json => print_json(&output::disk_json(&disk)),
+                    Format::Table => print!("{}", output::disk_detail(&disk)),
+                }
+                return Ok(());
+            }
+            return watch_copy(&mut client, &id, format).await;
+        }
+        Cmd::Disk(DiskCmd::Migrate { id, .. }) => {
             let cancelled = client
                 .cancel_migration_source(MigrationSourceRequest {
                     id: id.clone(),

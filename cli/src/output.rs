@@ -16,7 +16,8 @@ use blkplane_api::names::{
 };
 use blkplane_api::pb::{
     CacheMode, Disk, DiskState, DiskStatistics, DrainDiskResponse, Event, EventKind, ImageFormat,
-    MigrationBlocker, MigrationBlockerReason, MigrationStatus, MigrationStorage,
+    MigrationBlocker, MigrationBlockerReason, MigrationCopy, MigrationCopyPhase, MigrationStatus,
+    MigrationStorage,
 };
 use blkplane_api::time::format_time;
 
@@ -199,7 +200,79 @@ pub fn disk_json(d: &Disk) -> Value {
         },
         "queues": d.queues.iter().map(queue_status_json).collect::<Vec<_>>(),
         "throttle": d.throttle.as_ref().map(throttle_json).unwrap_or(Value::Null),
+        "migration_copy": d.migration_copy.as_ref().map(copy_json).unwrap_or(Value::Null),
     })
+}
+
+/// The name of a copy's phase (`unknown` for a number this build does not know).
+fn copy_phase_name(phase: i32) -> &'static str {
+    MigrationCopyPhase::try_from(phase).map_or("unknown", blkplane_api::names::copy_phase_name)
+}
+
+/// A disk's copy to another node as JSON (`disk show`, `disk migrate --watch -o json`).
+pub fn copy_json(c: &MigrationCopy) -> Value {
+    json!({
+        "destination": c.destination,
+        "phase": copy_phase_name(c.phase),
+        "bytes_sent": c.bytes_sent,
+        "remaining_bytes": c.remaining_bytes,
+        "dirty_bytes_per_second": c.dirty_bytes_per_second,
+        "bandwidth_bytes_per_second": c.bandwidth_bytes_per_second,
+        "passes": c.passes,
+        "throttle_write_bytes_per_second": c.throttle_write_bytes_per_second,
+        "started_unix_ms": c.started_unix_ms,
+        "eta_ms": c.eta_ms,
+        "failure": c.failure,
+        "switch_over_us": c.switch_over_us,
+    })
+}
+
+/// A disk's copy to another node in one line: phase, a bar of what was sent against what is
+/// left, the rates, auto-converge's limit and the estimate (`disk migrate --watch`, `disk
+/// show`).
+pub fn copy_line(c: &MigrationCopy) -> String {
+    const BAR: u64 = 20;
+    let total = c.bytes_sent.saturating_add(c.remaining_bytes).max(1);
+    let filled = (c.bytes_sent.min(total) as u128 * BAR as u128 / total as u128) as usize;
+    let bar = format!(
+        "[{}{}]",
+        "#".repeat(filled),
+        ".".repeat(BAR as usize - filled)
+    );
+    let mut line = format!(
+        "{:<9} {bar} sent {}, remaining {}, dirty {}/s, pass {}",
+        copy_phase_name(c.phase),
+        format_bytes(c.bytes_sent),
+        format_bytes(c.remaining_bytes),
+        format_bytes(c.dirty_bytes_per_second),
+        c.passes
+    );
+    if c.bandwidth_bytes_per_second != 0 {
+        line.push_str(&format!(
+            ", limit {}/s",
+            format_bytes(c.bandwidth_bytes_per_second)
+        ));
+    }
+    if c.throttle_write_bytes_per_second != 0 {
+        line.push_str(&format!(
+            ", guest writes throttled to {}/s",
+            format_bytes(c.throttle_write_bytes_per_second)
+        ));
+    }
+    match MigrationCopyPhase::try_from(c.phase) {
+        Ok(MigrationCopyPhase::Complete) => line.push_str(&format!(
+            ", switch-over {:.1} ms",
+            c.switch_over_us as f64 / 1000.0
+        )),
+        Ok(MigrationCopyPhase::Failed) => line.push_str(&format!(": {}", c.failure)),
+        Ok(MigrationCopyPhase::Converged) => line.push_str(", ready for the switch-over"),
+        _ if c.eta_ms != 0 => line.push_str(&format!(
+            ", converges in ~{:.1} s",
+            c.eta_ms as f64 / 1000.0
+        )),
+        _ => {}
+    }
+    line
 }
 
 /// The name of a MigrationStorage value (`unknown` for a number this build does not know).
@@ -313,6 +386,12 @@ pub fn disk_detail(d: &Disk) -> String {
                 o.node,
                 migration_storage_name(o.storage)
             ),
+        ));
+    }
+    if let Some(copy) = &d.migration_copy {
+        rows.push((
+            "copy",
+            format!("to {}: {}", copy.destination, copy_line(copy)),
         ));
     }
     rows.extend([
@@ -936,11 +1015,11 @@ mod tests {
         };
         assert_eq!(
             event_line(&e),
-            "1970-01-01T00:00:00.000Z  restarted            disk0  pid 7  m"
+            "1970-01-01T00:00:00.000Z  restarted                disk0  pid 7  m"
         );
         // The longest kind keeps the disk column where the others have it.
         let long = Event {
-            kind: EventKind::MigrationCancelled as i32,
+            kind: EventKind::MigrationAutoConverge as i32,
             ..e.clone()
         };
         assert_eq!(

@@ -13,8 +13,9 @@ use std::time::Duration;
 use blkplane_proto::v1::{
     frontend_request, frontend_response, DiskStats, DrainRequest, Drained, FrontendRequest,
     FrontendResponse, FrontendStatus, ResizeDone, ResizeRequest, ResumeRequest,
-    SetMigrationBlockers, SetThrottle, StatsRequest, StatusRequest,
+    SetMigrationBlockers, SetThrottle, StatsRequest, StatusRequest, TrackWrites,
 };
+use blkplane_proto::write_bitmap::WriteBitmap;
 use prost::Message;
 use thiserror::Error;
 use tokio::io::Interest;
@@ -34,6 +35,10 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long setting I/O limits may take: the frontend hands them to every queue worker
 /// (which may be busy with a batch) before it answers.
 pub const THROTTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long TrackWrites may take: every queue worker installs the bitmap before the frontend
+/// answers, and one may be busy waiting for a ring's requests (a ring stop).
+pub const TRACK_WRITES_TIMEOUT: Duration = DRAIN_TIMEOUT;
 
 /// Admin-channel failures.
 #[derive(Debug, Error)]
@@ -276,6 +281,34 @@ pub async fn set_throttle(socket: &Path, request: SetThrottle) -> Result<(), Adm
     }
 }
 
+/// Starts marking the image blocks the guest writes in `bitmap` (its memfd is sent along;
+/// the request carries its granularity and the capacity it was made for), or stops with `None`
+/// (granularity 0, no file). Answers once every queue worker marks in it, the writes then in
+/// flight included.
+pub async fn track_writes(socket: &Path, bitmap: Option<&WriteBitmap>) -> Result<(), AdminError> {
+    let request = bitmap.map_or(
+        TrackWrites {
+            granularity_bytes: 0,
+            capacity_bytes: 0,
+        },
+        |b| TrackWrites {
+            granularity_bytes: b.granularity(),
+            capacity_bytes: b.capacity_bytes(),
+        },
+    );
+    match call_with_file(
+        socket,
+        frontend_request::Request::TrackWrites(request),
+        bitmap.map(WriteBitmap::file),
+        TRACK_WRITES_TIMEOUT,
+    )
+    .await?
+    {
+        frontend_response::Response::WritesTracked(_) => Ok(()),
+        other => Err(AdminError::Unexpected(format!("{other:?}"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,6 +431,36 @@ mod tests {
         server.await.unwrap();
         let _ = std::fs::remove_file(&path);
         let _ = std::fs::remove_file(&group);
+    }
+
+    #[tokio::test]
+    async fn track_writes_round_trip() {
+        use blkplane_proto::v1::WritesTracked;
+        use blkplane_proto::write_bitmap::DEFAULT_GRANULARITY;
+        let path = socket_path("track");
+        let expect = |granularity: u64, capacity: u64| {
+            move |req: FrontendRequest| {
+                let Some(frontend_request::Request::TrackWrites(t)) = req.request else {
+                    panic!("not a TrackWrites")
+                };
+                assert_eq!(
+                    (t.granularity_bytes, t.capacity_bytes),
+                    (granularity, capacity)
+                );
+                framed(frontend_response::Response::WritesTracked(WritesTracked {}))
+            }
+        };
+        let bitmap = WriteBitmap::create(3 << 20, DEFAULT_GRANULARITY).unwrap();
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(serve_once(listener, expect(DEFAULT_GRANULARITY, 3 << 20)));
+        track_writes(&path, Some(&bitmap)).await.unwrap();
+        server.await.unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(serve_once(listener, expect(0, 0)));
+        track_writes(&path, None).await.unwrap();
+        server.await.unwrap();
+        let _ = std::fs::remove_file(&path);
     }
 
     #[tokio::test]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use blkplane_proto::v1::ResizeDone;
-use log::warn;
+use log::{info, warn};
 use thiserror::Error;
 
 use crate::admin::{self, AdminError};
@@ -27,7 +27,8 @@ use crate::peer::{PeerError, Peers};
 use crate::runtime::serving;
 use crate::settings::{RestartPolicy, Settings};
 use crate::state::{
-    DirLock, DiskLifecycle, DiskSpec, RunAsSpec, State, StateError, StateStore, StoredDisk,
+    DirLock, DiskLifecycle, DiskSpec, MigrationStorage, RunAsSpec, State, StateError, StateStore,
+    StoredDisk,
 };
 use crate::supervisor::{DiskHandle, Initial};
 use crate::sync::lock;
@@ -36,8 +37,10 @@ use crate::validate::{self, ValidationError};
 use blkplane_api::names::state_name;
 
 mod blockers;
+mod copy;
 mod limits;
 mod outgoing;
+mod receive;
 mod remote;
 mod snapshot;
 mod startup;
@@ -207,6 +210,10 @@ pub struct Daemon {
     /// Ids of removed incoming disks whose source node is still being told (RemoveDisk):
     /// AddDisk refuses them meanwhile.
     cancelling: Mutex<std::collections::BTreeSet<String>>,
+    /// Copies of disks to other nodes (StartMigration), by source disk id.
+    copies: Mutex<BTreeMap<String, copy::CopyJob>>,
+    /// Incoming disks receiving a copy now (ReceiveMigrationData).
+    receiving: Mutex<std::collections::BTreeSet<String>>,
     _locks: [DirLock; 2],
 }
 
@@ -457,11 +464,50 @@ impl Daemon {
             .prepare_remote_source(&req.id, &from, &endpoint)
             .await?;
         let added = match validate::resolve_remote_incoming(&req, &from, &source) {
+            Ok(req) if from.storage == MigrationStorage::Local => {
+                self.add_local_destination(req, &source).await
+            }
             Ok(req) => self.add_checked(req, Some(&source)).await,
             Err(e) => Err(e.into()),
         };
         if added.is_err() {
             self.cancel_remote_source(&req.id, &from, &endpoint).await;
+        }
+        added
+    }
+
+    /// AddDisk of the destination of a copy from another node: its new image is created
+    /// (sparse, the source's capacity) and the disk added on it, serving nothing until the
+    /// copy completes; a failed add removes the image again.
+    async fn add_local_destination(
+        &self,
+        req: AddDiskRequest,
+        source: &pb::Disk,
+    ) -> Result<pb::Disk, DaemonError> {
+        let image = PathBuf::from(req.settings.as_ref().map_or("", |s| s.image.as_str()));
+        crate::mirror::image::create_destination(&image, source.capacity_bytes).map_err(|e| {
+            let reason = format!(
+                "{}: cannot create the new image of a copy from another node: {e}",
+                image.display()
+            );
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                DaemonError::from(ValidationError::AlreadyExists {
+                    field: "settings.image",
+                    reason,
+                })
+            } else {
+                ValidationError::Invalid {
+                    field: "settings.image",
+                    reason,
+                }
+                .into()
+            }
+        })?;
+        let added = self.add_checked(req, Some(source)).await;
+        if added.is_err() {
+            if let Err(e) = std::fs::remove_file(&image) {
+                warn!("{}: removing the new image again: {e}", image.display());
+            }
         }
         added
     }
@@ -489,8 +535,14 @@ impl Daemon {
         }
         let throttle_request =
             throttle::frontend_request(&throttle_setting, &self.settings.throttle_dir);
+        // The destination of a copy from another node serves nothing before its image is
+        // complete.
+        let incomplete = spec
+            .incoming_from
+            .as_ref()
+            .is_some_and(|from| from.image_incomplete);
         let started =
-            frontend::start_throttled(&self.settings, &spec, &paths, false, &throttle_request)
+            frontend::start_throttled(&self.settings, &spec, &paths, incomplete, &throttle_request)
                 .await;
         let started = match started {
             Ok(started) => started,
@@ -589,6 +641,19 @@ impl Daemon {
         }
         let incoming_from = disk.runtime().incoming_from;
         self.forget_and_stop(id, &disk, String::new()).await?;
+        // A copy from another node that never completed: its image is a part of one.
+        if let Some(from) = incoming_from.as_ref().filter(|f| f.image_incomplete) {
+            match std::fs::remove_file(&disk.spec.image) {
+                Ok(()) => info!(
+                    "disk {id}: removed {}, the incomplete copy from {from}",
+                    disk.spec.image.display()
+                ),
+                Err(e) => warn!(
+                    "disk {id}: removing {}, the incomplete copy from {from}: {e}",
+                    disk.spec.image.display()
+                ),
+            }
+        }
         // An incoming disk from another node: that node's source forgets the migration (asked
         // without `ops`: a slow node holds up no other call here). Until it has been told,
         // the id is not given to a new disk, whose migration from the same source the late
@@ -617,6 +682,8 @@ impl Daemon {
         state.disks.retain(|d| d.spec.id != id);
         self.store.save(&state)?;
         lock(&self.disks).remove(id);
+        self.stop_copy(id);
+        lock(&self.copies).remove(id);
         let pid = disk.runtime().pid;
         disk.stop().await;
         self.drop_group_if_empty(&disk.runtime().lifecycle.throttle.group);
@@ -658,6 +725,7 @@ impl Daemon {
             migration_blockers: blockers,
             throttle: Some(self.throttle_config(disk)),
             backing_chain: backing_chain(&disk.config(), &self.ctx.image_dirs),
+            migration_copy: self.copy_progress(&disk.spec.id),
         }
     }
 
@@ -834,8 +902,9 @@ impl Daemon {
         }
         let rt = disk.runtime();
         // A frontend that is not running starts undrained; one that does not answer now is
-        // resumed by the supervisor's next poll.
-        if rt.pid != 0 && serving(rt.state) {
+        // resumed by the supervisor's next poll. The destination of a copy from another node
+        // stays drained until its image is complete.
+        if rt.pid != 0 && serving(rt.state) && !rt.wants_drained() {
             let socket = &disk.paths.admin_socket;
             admin::resume(socket)
                 .await

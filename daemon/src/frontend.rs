@@ -252,7 +252,12 @@ pub fn frontend_args(
     if spec.read_only {
         args.push("--read-only".into());
     }
-    if drained {
+    // A destination of a copy from another node serves nothing before its image is complete.
+    let incomplete = spec
+        .incoming_from
+        .as_ref()
+        .is_some_and(|from| from.image_incomplete);
+    if drained || incomplete {
         args.push("--drained".into());
     }
     // A destination on storage another node wrote last: its page cache of the image may be
@@ -800,6 +805,7 @@ mod tests {
                 disk: "a".into(),
                 storage: MigrationStorage::Shared,
                 as_node: "node-b".into(),
+                image_incomplete: false,
             }),
             ..spec()
         };

@@ -21,6 +21,7 @@
 //! | [`admin`] | client of a frontend's admin channel |
 //! | [`events`] | the WatchEvents broadcast |
 //! | [`migration`] | migration blockers (automatic and the operator's) |
+//! | [`mirror`] | copying a running disk to another node: what to send when, the image I/O, the job, the destination's writes |
 //! | [`throttle`] | I/O limits and throttle groups: member indices, group files, what a frontend is sent |
 //! | [`stats`] | a frontend's per-queue statistics added up (GetStats `total`) |
 //! | [`sync`] | the poison-ignoring lock every module takes |
@@ -40,6 +41,7 @@ pub mod events;
 pub mod frontend;
 pub mod metrics;
 pub mod migration;
+pub mod mirror;
 pub mod paths;
 pub mod peer;
 pub mod runtime;

@@ -71,6 +71,8 @@ pub struct DiskMetrics {
     pub queues: Option<Vec<QueueStats>>,
     /// The live migration the disk takes part in now, if any.
     pub migration: Option<MigrationRole>,
+    /// Its copy to another node (StartMigration), if it has one.
+    pub copy: Option<crate::pb::MigrationCopy>,
 }
 
 /// A disk's part in a live migration under way.
@@ -157,6 +159,7 @@ pub async fn collect(daemon: &Daemon) -> Snapshot {
             status: rt.status.filter(|_| rt.pid != 0),
             queues: None,
             migration: migration_role(daemon, &disk),
+            copy: daemon.copy_progress(&disk.spec.id),
         });
     }
     while let Some(done) = asks.join_next().await {

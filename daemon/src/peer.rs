@@ -135,12 +135,36 @@ impl Peers {
     /// [`PEER_TIMEOUT`]: a peer that accepts and then says nothing holds nobody up longer),
     /// each call bounded by [`PEER_TIMEOUT`] too.
     pub async fn client(&self, endpoint: &HostPort) -> Result<ControlClient<Channel>, PeerError> {
+        self.connect(endpoint, Some(PEER_TIMEOUT)).await
+    }
+
+    /// A client for a long stream (a disk's copy, ReceiveMigrationData): the connection and
+    /// TLS handshake are bounded as for [`Peers::client`], the call is not (its messages are,
+    /// by the caller); HTTP/2 keep-alives find a node that went away.
+    pub async fn stream_client(
+        &self,
+        endpoint: &HostPort,
+    ) -> Result<ControlClient<Channel>, PeerError> {
+        self.connect(endpoint, None).await
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &HostPort,
+        call_timeout: Option<Duration>,
+    ) -> Result<ControlClient<Channel>, PeerError> {
         let tls = self.tls.as_ref().ok_or(PeerError::NoCredentials)?;
         let configured = endpoint
             .tls_endpoint(&tls.ca, &tls.cert, &tls.key)
             .map_err(|e| PeerError::Tls(chain(&e)))?
             .connect_timeout(PEER_TIMEOUT)
-            .timeout(PEER_TIMEOUT);
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(PEER_TIMEOUT)
+            .keep_alive_while_idle(true);
+        let configured = match call_timeout {
+            Some(timeout) => configured.timeout(timeout),
+            None => configured,
+        };
         let connecting = configured.connect();
         let unreachable = |why: String| PeerError::Unreachable {
             endpoint: endpoint.to_string(),

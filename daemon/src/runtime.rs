@@ -40,6 +40,16 @@ impl Runtime {
     pub fn is_incoming(&self) -> bool {
         self.incoming_for.is_some() || self.incoming_from.is_some()
     }
+
+    /// Whether the frontend should be drained: the operator drained the disk, or it is the
+    /// destination of a copy from another node whose image is not complete yet.
+    pub fn wants_drained(&self) -> bool {
+        self.lifecycle.drained
+            || self
+                .incoming_from
+                .as_ref()
+                .is_some_and(|from| from.image_incomplete)
+    }
 }
 
 /// Whether a frontend in `state` serves (the admin channel is expected to answer).

@@ -16,9 +16,10 @@ use crate::pb::{
     GetThrottleRequest, GetVersionRequest, ListDisksRequest, ListDisksResponse,
     MigrationSourceRequest, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
     RemoveMigrationBlockerRequest, ResizeDiskRequest, ResumeDiskRequest, ResumeDiskResponse,
-    RetireMigrationSourceResponse, SetThrottleRequest, SnapshotRequest, ThrottleConfig,
-    VersionInfo, WatchEventsRequest,
+    RetireMigrationSourceResponse, SetThrottleRequest, SnapshotRequest, StartMigrationRequest,
+    ThrottleConfig, VersionInfo, WatchEventsRequest,
 };
+use crate::pb::{MigrationData, MigrationDataAck};
 use crate::validate::ValidationError;
 
 /// The gRPC service.
@@ -310,6 +311,59 @@ impl Control for ControlService {
             version: blkplane_build_info::PACKAGE_VERSION.to_string(),
             commit: blkplane_build_info::COMMIT.to_string(),
         }))
+    }
+
+    async fn start_migration(
+        &self,
+        request: Request<StartMigrationRequest>,
+    ) -> Result<Response<Disk>, Status> {
+        let req = request.into_inner();
+        info!(
+            "StartMigration {:?} to disk {:?} on {:?} at {} bytes/s",
+            req.id, req.to_disk, req.to_endpoint, req.bandwidth_bytes_per_second
+        );
+        let disk = self
+            .daemon
+            .start_migration(&req)
+            .await
+            .map_err(|e| logged("StartMigration", e))?;
+        Ok(Response::new(disk))
+    }
+
+    type ReceiveMigrationDataStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<MigrationDataAck, Status>> + Send>,
+    >;
+
+    async fn receive_migration_data(
+        &self,
+        request: Request<tonic::Streaming<MigrationData>>,
+    ) -> Result<Response<Self::ReceiveMigrationDataStream>, Status> {
+        let mut inbound = request.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("disk: the stream is empty"))?;
+        info!(
+            "ReceiveMigrationData for disk {:?} from disk {:?}",
+            first.disk, first.source_disk
+        );
+        let receiving = self
+            .daemon
+            .start_receiving(&first)
+            .await
+            .inspect_err(|status| {
+                warn!(
+                    "ReceiveMigrationData: {:?}: {}",
+                    status.code(),
+                    status.message()
+                )
+            })?;
+        let (acks, answers) = tokio::sync::mpsc::channel(4);
+        let daemon = Arc::clone(&self.daemon);
+        tokio::spawn(async move { daemon.receive(receiving, inbound, acks).await });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(answers),
+        )))
     }
 
     type WatchEventsStream = EventStream;

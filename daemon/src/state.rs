@@ -245,6 +245,10 @@ pub struct RemoteSource {
     /// restart with another `--node-name` or host name) before the takeover.
     #[serde(default)]
     pub as_node: String,
+    /// Local storage: the image here is not complete yet (the source node has not sent all
+    /// of it, or serves again since it had); the frontend serves nothing until it is.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub image_incomplete: bool,
 }
 
 impl RemoteSource {
@@ -835,6 +839,7 @@ mod tests {
             disk: "a".into(),
             storage: MigrationStorage::Shared,
             as_node: "node-b".into(),
+            image_incomplete: false,
         });
         let state = State {
             version: STATE_VERSION,

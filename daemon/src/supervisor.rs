@@ -93,6 +93,9 @@ pub struct DiskHandle {
     throttle_dir: PathBuf,
     /// For an incoming disk: why its takeover waited at the last attempt, if it did.
     pub takeover_wait: Mutex<Option<TakeoverWait>>,
+    /// Auto-converge of a copy to another node: the most the disk may write, bytes/s, on top
+    /// of its own limits (0: nothing more). Not persisted: a copy does not outlive blkplaned.
+    write_cap: Mutex<u64>,
 }
 
 impl DiskHandle {
@@ -147,6 +150,7 @@ impl DiskHandle {
             throttle_pushed: Mutex::new(throttle_pushed),
             throttle_dir: settings.throttle_dir.clone(),
             takeover_wait: Mutex::new(None),
+            write_cap: Mutex::new(0),
         });
         disk.refresh_migration();
         let task = tokio::spawn(supervise(
@@ -339,7 +343,28 @@ impl DiskHandle {
 
     /// What the frontend is to be sent for the disk's current I/O limits and group.
     fn throttle_request(&self, rt: &Runtime) -> SetThrottle {
-        throttle::frontend_request(&rt.lifecycle.throttle, &self.throttle_dir)
+        let mut setting = rt.lifecycle.throttle.clone();
+        let cap = *lock(&self.write_cap);
+        // A group shares its limits among its members: a cap of one would not hold.
+        if cap != 0 && setting.group.is_empty() {
+            throttle::cap_writes(&mut setting.limits, cap);
+        }
+        throttle::frontend_request(&setting, &self.throttle_dir)
+    }
+
+    /// Auto-converge: caps the disk's writes at `bytes_per_second` on top of its own limits
+    /// (0: lifts the cap) and sends the result to the frontend. A disk in a throttle group
+    /// is not capped (the group's members share their limits): an error says so.
+    pub async fn cap_writes(&self, bytes_per_second: u64) -> Result<(), String> {
+        if bytes_per_second != 0 && !self.runtime().lifecycle.throttle.group.is_empty() {
+            return Err(format!(
+                "disk {} is in a throttle group, whose limits its members share: its writes \
+                 are not capped for the copy",
+                self.spec.id
+            ));
+        }
+        *lock(&self.write_cap) = bytes_per_second;
+        self.push_throttle().await.map_err(|e| e.to_string())
     }
 
     /// Sends the disk's current I/O limits to its frontend unless it has them (a new
@@ -466,7 +491,7 @@ async fn supervise(
                 // A throttled disk's frontend gets its limits before it serves.
                 let rt = disk.runtime();
                 let throttle = disk.throttle_request(&rt);
-                let drained = rt.lifecycle.drained;
+                let drained = rt.wants_drained();
                 match start_throttled(&settings, &disk.config(), &disk.paths, drained, &throttle)
                     .await
                 {
@@ -664,12 +689,13 @@ async fn follow_drained(disk: &DiskHandle, status: &FrontendStatus) {
         return;
     };
     let rt = disk.runtime();
-    if rt.pid != status.pid || rt.lifecycle.drained == status.drained {
+    let wanted = rt.wants_drained();
+    if rt.pid != status.pid || wanted == status.drained {
         return;
     }
     let id = &disk.spec.id;
     let socket = &disk.paths.admin_socket;
-    let result = if rt.lifecycle.drained {
+    let result = if wanted {
         warn!(
             "disk {id}: frontend {} is not drained as it should be; draining it",
             rt.pid

@@ -46,6 +46,23 @@ pub fn frontend_request(setting: &ThrottleSetting, dir: &Path) -> SetThrottle {
     }
 }
 
+/// Caps `limits` so that writes go at most `bytes_per_second` (auto-converge of a copy to
+/// another node): the write bucket's average, or the total's where the limits have a total
+/// (a total cannot be combined with a write bucket), lowered to the cap, never raised.
+pub fn cap_writes(limits: &mut ThrottleLimits, bytes_per_second: u64) {
+    let bucket = match (&mut limits.bps_total, &mut limits.bps_write) {
+        (Some(total), _) if total.avg != 0 => total,
+        (_, write) => write.get_or_insert_with(Default::default),
+    };
+    if bucket.avg == 0 || bucket.avg > bytes_per_second {
+        bucket.avg = bytes_per_second;
+    }
+    // A burst rate must not be below the average.
+    if bucket.max != 0 && bucket.max < bucket.avg {
+        bucket.max = bucket.avg;
+    }
+}
+
 /// What a frontend that was never sent any limits has: none, alone. A frontend started for a
 /// disk without a setting is recorded as having this, so that it is not sent a no-op.
 pub fn unthrottled_request() -> SetThrottle {
@@ -454,6 +471,42 @@ mod tests {
                 member_index: 0,
             }
         );
+    }
+
+    #[test]
+    fn a_write_cap_lowers_the_write_or_total_bucket_only() {
+        use blkplane_proto::v1::ThrottleBucket;
+        let bucket = |avg| {
+            Some(ThrottleBucket {
+                avg,
+                max: 0,
+                max_length: 0,
+            })
+        };
+        let mut none = ThrottleLimits::default();
+        cap_writes(&mut none, 1000);
+        assert_eq!(none.bps_write, bucket(1000));
+        let mut higher = ThrottleLimits {
+            bps_write: bucket(5000),
+            iops_read: bucket(7),
+            ..ThrottleLimits::default()
+        };
+        cap_writes(&mut higher, 1000);
+        assert_eq!(higher.bps_write, bucket(1000));
+        assert_eq!(higher.iops_read, bucket(7));
+        let mut lower = ThrottleLimits {
+            bps_write: bucket(500),
+            ..ThrottleLimits::default()
+        };
+        cap_writes(&mut lower, 1000);
+        assert_eq!(lower.bps_write, bucket(500));
+        let mut total = ThrottleLimits {
+            bps_total: bucket(9000),
+            ..ThrottleLimits::default()
+        };
+        cap_writes(&mut total, 1000);
+        assert_eq!(total.bps_total, bucket(1000));
+        assert_eq!(total.bps_write, None);
     }
 
     #[test]

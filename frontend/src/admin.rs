@@ -1,6 +1,6 @@
 //! The admin channel: blkplaned's view into this frontend (status, statistics, resize, drain
-//! and resume, migration blockers), on the UNIX socket given by `--admin-socket`. Protocol in
-//! `proto/blkplane/v1/frontend.proto`.
+//! and resume, migration blockers, I/O limits, write tracking), on the UNIX socket given by
+//! `--admin-socket`. Protocol in `proto/blkplane/v1/frontend.proto`.
 //!
 //! It runs on its own threads and only reads counters the workers keep, so nothing on this
 //! channel can slow down or block a request — except a drain, whose purpose that is.
@@ -18,7 +18,9 @@ use blkplane_proto::v1::{
     frontend_request, frontend_response, DiskStats, Drained, FrontendRequest, FrontendResponse,
     FrontendStatus, IothreadStats, LatencyHistogram, MigrationBlockersSet, QueueStats, QueueStatus,
     RejectionCount, ResizeDone, Resumed, SetThrottle, ThrottleSet,
+    TrackWrites as TrackWritesRequest, WritesTracked,
 };
+use blkplane_proto::write_bitmap::WriteBitmap;
 use log::{info, warn};
 use prost::Message;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -64,6 +66,14 @@ pub trait SettleStatistics: Send + Sync {
     fn settle(&self);
 }
 
+/// Marking the image blocks the guest writes (TrackWrites), for blkplaned's copy of the disk to
+/// another node.
+pub trait TrackWrites: Send + Sync {
+    /// Installs `bitmap` in every queue worker (`None`: removes it) and returns once each
+    /// marks in it — the writes it has in flight included — or in none.
+    fn track_writes(&self, bitmap: Option<Arc<WriteBitmap>>) -> Result<(), String>;
+}
+
 /// What the admin channel answers from: the shared status and the operations it can run.
 #[derive(Clone)]
 pub struct Services {
@@ -77,6 +87,8 @@ pub struct Services {
     pub limits: Arc<dyn SetLimits>,
     /// Current statistics.
     pub statistics: Arc<dyn SettleStatistics>,
+    /// Write tracking.
+    pub writes: Arc<dyn TrackWrites>,
 }
 
 /// Why the admin socket could not be set up.
@@ -186,8 +198,8 @@ pub fn write_frame(stream: &mut impl Write, frame: &[u8]) -> io::Result<()> {
     stream.flush()
 }
 
-/// Answers `request`; `attached` is the descriptor that came with it (only SetThrottle takes
-/// one; any other is closed).
+/// Answers `request`; `attached` is the descriptor that came with it (only SetThrottle and
+/// TrackWrites take one; any other is closed).
 fn answer(
     request: FrontendRequest,
     attached: Option<File>,
@@ -207,6 +219,14 @@ fn answer(
         // Growing the image is touching it, which a drain promises not to do.
         Some(Request::Resize(_)) if status.drained.load(Ordering::Relaxed) => {
             Response::Error("the disk is drained: resume it before resizing".into())
+        }
+        // The bitmap covers the capacity it was made for: blocks past it would go unmarked.
+        Some(Request::Resize(_)) if status.tracking_writes.load(Ordering::Relaxed) => {
+            Response::Error(
+                "the disk's writes are tracked (blkplaned copies it to another node): stop \
+                 tracking before resizing"
+                    .into(),
+            )
         }
         Some(Request::Resize(r)) => match services.resize.resize(r.new_size_bytes) {
             Ok(done) => Response::Resized(done),
@@ -236,8 +256,47 @@ fn answer(
             Ok(()) => Response::ThrottleSet(ThrottleSet {}),
             Err(e) => Response::Error(e),
         },
+        Some(Request::TrackWrites(t)) => match track_writes(&t, attached, services) {
+            Ok(()) => Response::WritesTracked(WritesTracked {}),
+            Err(e) => Response::Error(e),
+        },
         None => Response::Error("empty request".into()),
     }
+}
+
+/// TrackWrites with a file but no granularity.
+const TRACK_WRITES_FILE_WITHOUT_GRANULARITY: &str =
+    "TrackWrites: a file is attached but granularity_bytes is 0 (0 without a file stops tracking)";
+/// TrackWrites with a granularity but no file.
+const TRACK_WRITES_NO_FILE: &str = "TrackWrites: no bitmap file attached (the memfd travels with \
+     the frame's first byte, SCM_RIGHTS)";
+
+/// TrackWrites: the bitmap attached to the request, checked against the request and the
+/// disk, handed to every worker; granularity 0 without a file stops tracking.
+fn track_writes(
+    request: &TrackWritesRequest,
+    attached: Option<File>,
+    services: &Services,
+) -> Result<(), String> {
+    let bitmap = match (request.granularity_bytes, attached) {
+        (0, None) => None,
+        (0, Some(_)) => return Err(TRACK_WRITES_FILE_WITHOUT_GRANULARITY.into()),
+        (_, None) => return Err(TRACK_WRITES_NO_FILE.into()),
+        (granularity, Some(file)) => {
+            let capacity = services.resize.capacity_bytes();
+            if request.capacity_bytes != capacity {
+                return Err(format!(
+                    "TrackWrites: the bitmap was made for a disk of {} bytes, but this disk has \
+                     {capacity}",
+                    request.capacity_bytes
+                ));
+            }
+            let bitmap = WriteBitmap::open(file, capacity, granularity)
+                .map_err(|e| format!("TrackWrites: {e}"))?;
+            Some(Arc::new(bitmap))
+        }
+    };
+    services.writes.track_writes(bitmap)
 }
 
 /// The status as reported on the admin channel.
@@ -278,6 +337,7 @@ pub fn device_status(status: &DeviceStatus, capacity_bytes: u64) -> FrontendStat
             .max()
             .unwrap_or(0),
         offered_protocol_features: DiskConfig::protocol_features().bits(),
+        tracking_writes: status.tracking_writes.load(Ordering::Relaxed),
     }
 }
 
@@ -358,6 +418,33 @@ mod tests {
         }
     }
 
+    /// Records what it was handed, and says so in the status as the workers' control does.
+    struct FakeTracking {
+        status: Arc<DeviceStatus>,
+        installed: std::sync::Mutex<Option<(u64, u64)>>,
+    }
+
+    impl TrackWrites for FakeTracking {
+        fn track_writes(&self, bitmap: Option<Arc<WriteBitmap>>) -> Result<(), String> {
+            self.status
+                .tracking_writes
+                .store(bitmap.is_some(), Ordering::Relaxed);
+            if let Some(bitmap) = &bitmap {
+                // The frontend's mapping of blkplaned's memfd.
+                bitmap.mark(0, 1);
+            }
+            *self.installed.lock().unwrap() = bitmap.map(|b| (b.blocks(), b.granularity()));
+            Ok(())
+        }
+    }
+
+    fn fake_tracking(status: &Arc<DeviceStatus>) -> Arc<FakeTracking> {
+        Arc::new(FakeTracking {
+            status: Arc::clone(status),
+            installed: std::sync::Mutex::new(None),
+        })
+    }
+
     struct FixedSize;
 
     impl Resize for FixedSize {
@@ -404,11 +491,29 @@ mod tests {
         stream: &mut UnixStream,
         request: frontend_request::Request,
     ) -> frontend_response::Response {
-        let frame = FrontendRequest {
+        call_with(stream, request, None)
+    }
+
+    /// [`call`] with `attached` sent along with the frame's first byte, as blkplaned does.
+    fn call_with(
+        stream: &mut UnixStream,
+        request: frontend_request::Request,
+        attached: Option<&File>,
+    ) -> frontend_response::Response {
+        use std::os::fd::AsFd;
+        let body = FrontendRequest {
             request: Some(request),
         }
         .encode_to_vec();
-        write_frame(stream, &frame).unwrap();
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        let sent = match attached {
+            Some(file) => {
+                blkplane_proto::control::send_with_fd(stream.as_fd(), &frame, file.as_fd()).unwrap()
+            }
+            None => 0,
+        };
+        stream.write_all(&frame[sent..]).unwrap();
         let (reply, attached) = read_frame(stream).unwrap().unwrap();
         assert!(attached.is_none());
         FrontendResponse::decode(reply.as_slice())
@@ -435,6 +540,7 @@ mod tests {
             lifecycle: Arc::clone(&lifecycle) as Arc<dyn Lifecycle>,
             limits: Arc::new(NoLimits),
             statistics: Arc::new(Settled),
+            writes: fake_tracking(&status),
         };
         serve(&path, services).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
@@ -533,6 +639,115 @@ mod tests {
         stream.write_all(&(MAX_FRAME + 1).to_le_bytes()).unwrap();
         let mut rest = Vec::new();
         assert_eq!(stream.read_to_end(&mut rest).unwrap(), 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn track_writes_checks_the_bitmap_and_holds_resizes_back() {
+        use blkplane_proto::v1::StatusRequest;
+        use blkplane_proto::write_bitmap::{WriteBitmap, DEFAULT_GRANULARITY};
+        use frontend_request::Request;
+        use frontend_response::Response;
+        let dir = std::env::temp_dir().join(format!("blkplane-admin-tw-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("admin.sock");
+        let status = Arc::new(DeviceStatus::new(1, 1));
+        let tracking = fake_tracking(&status);
+        let services = Services {
+            status: Arc::clone(&status),
+            resize: Arc::new(FixedSize),
+            lifecycle: Arc::new(FakeLifecycle {
+                status: Arc::clone(&status),
+                broken: AtomicBool::new(false),
+            }),
+            limits: Arc::new(NoLimits),
+            statistics: Arc::new(Settled),
+            writes: Arc::clone(&tracking) as Arc<dyn TrackWrites>,
+        };
+        serve(&path, services).unwrap();
+        let mut stream = UnixStream::connect(&path).unwrap();
+        let track = |granularity_bytes, capacity_bytes| {
+            Request::TrackWrites(TrackWritesRequest {
+                granularity_bytes,
+                capacity_bytes,
+            })
+        };
+        let refused = |response: Response, what: &str| match response {
+            Response::Error(e) => assert!(e.contains(what), "{what}: {e}"),
+            other => panic!("{what}: accepted, {other:?}"),
+        };
+        let bitmap = WriteBitmap::create(4096, DEFAULT_GRANULARITY).unwrap();
+        let file = || Some(bitmap.file().try_clone().unwrap());
+        refused(
+            call(&mut stream, track(DEFAULT_GRANULARITY, 4096)),
+            "no bitmap file attached",
+        );
+        refused(
+            call_with(&mut stream, track(0, 4096), file().as_ref()),
+            "granularity_bytes is 0",
+        );
+        refused(
+            call_with(
+                &mut stream,
+                track(DEFAULT_GRANULARITY, 8192),
+                file().as_ref(),
+            ),
+            "disk of 8192 bytes, but this disk has 4096",
+        );
+        refused(
+            call_with(&mut stream, track(3000, 4096), file().as_ref()),
+            "granularity 3000",
+        );
+        // A regular file is not sealed: whoever holds it could shrink it under the mapping.
+        let plain = File::create(dir.join("plain")).unwrap();
+        plain.set_len(8).unwrap();
+        refused(
+            call_with(&mut stream, track(DEFAULT_GRANULARITY, 4096), Some(&plain)),
+            "not sealed",
+        );
+        assert!(tracking.installed.lock().unwrap().is_none());
+        assert!(!status.tracking_writes.load(Ordering::Relaxed));
+
+        let installed = call_with(
+            &mut stream,
+            track(DEFAULT_GRANULARITY, 4096),
+            file().as_ref(),
+        );
+        assert!(
+            matches!(installed, Response::WritesTracked(_)),
+            "{installed:?}"
+        );
+        assert_eq!(
+            *tracking.installed.lock().unwrap(),
+            Some((1, DEFAULT_GRANULARITY))
+        );
+        assert_eq!(
+            bitmap.take_word(0),
+            1,
+            "the frontend's mapping is blkplaned's memfd"
+        );
+        match call(&mut stream, Request::Status(StatusRequest {})) {
+            Response::Status(s) => assert!(s.tracking_writes),
+            other => panic!("unexpected {other:?}"),
+        }
+        let grow = ResizeRequest {
+            new_size_bytes: 8192,
+        };
+        refused(call(&mut stream, Request::Resize(grow)), "stop tracking");
+        // Stopping: granularity 0, no file.
+        assert!(matches!(
+            call(&mut stream, track(0, 0)),
+            Response::WritesTracked(_)
+        ));
+        assert!(tracking.installed.lock().unwrap().is_none());
+        match call(&mut stream, Request::Status(StatusRequest {})) {
+            Response::Status(s) => assert!(!s.tracking_writes),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(
+            call(&mut stream, Request::Resize(grow)),
+            Response::Resized(_)
+        ));
         fs::remove_dir_all(&dir).unwrap();
     }
 }

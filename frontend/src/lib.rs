@@ -33,3 +33,4 @@ pub mod throttle;
 pub mod throttle_control;
 pub mod vhost_user;
 pub mod worker;
+pub mod write_tracking;

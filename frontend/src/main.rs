@@ -26,6 +26,7 @@ use blkplane_frontend::stats::DeviceStatus;
 use blkplane_frontend::throttle_control::ThrottleControl;
 use blkplane_frontend::vhost_user::BlkBackend;
 use blkplane_frontend::worker::{WorkerHandle, WorkerStatistics, Workers};
+use blkplane_frontend::write_tracking::WriteTracking;
 use blkplane_frontend::{admin, config, session, socket_lock};
 
 /// Serve a disk image to a VMM (QEMU, cloud-hypervisor, libblkio) as a vhost-user-blk device.
@@ -80,8 +81,10 @@ struct Args {
     /// The blkplane-iothread binary (default: next to this executable).
     #[arg(long)]
     iothread_binary: Option<PathBuf>,
-    /// Start drained: no request is served until a Resume on the admin channel (blkplaned
-    /// restarts the frontend of a drained disk this way).
+    /// Start drained, as after an admin Drain without flush, before any VMM can connect: no
+    /// ring is served until a Resume on the admin channel. blkplaned restarts the frontend of
+    /// a drained disk this way, and starts the destination of a copy of a local disk from
+    /// another node this way until its image is complete.
     #[arg(long, requires = "admin_socket")]
     drained: bool,
     /// A live-migration destination on storage another node wrote (blkplaned's
@@ -304,6 +307,7 @@ fn run(args: Args) -> Result<(), String> {
             resize: Arc::new(resizer),
             lifecycle: quiescer,
             limits: Arc::new(ThrottleControl::new(workers.clone())),
+            writes: Arc::new(WriteTracking::new(workers.clone(), Arc::clone(&status))),
             statistics: Arc::new(WorkerStatistics(workers)),
         };
         admin::serve(path, services).map_err(|e| e.to_string())?;

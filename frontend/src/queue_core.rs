@@ -1,5 +1,6 @@
 //! The frontend's queue handling as a state machine: the virtqueues one worker serves, their
-//! ring slots, inflight marks, I/O limits and dirty-log marks — and no system call.
+//! ring slots, inflight marks, I/O limits, dirty-log marks and write-bitmap marks — and no
+//! system call.
 //!
 //! [`QueueCore`] is told what happened ("the guest kicked ring 1", "the throttle timer fired",
 //! "the iothread was replaced") and does the work in guest memory and in the shared ring: it
@@ -13,6 +14,12 @@
 //! event loop (the worker, worker.rs) owns every descriptor, thread and channel, and stays thin;
 //! the unit tests below and the `virtio_blk_request` fuzz target drive this type as the worker
 //! does.
+//!
+//! While blkplaned copies the disk to another node it has the core mark, in a
+//! [`WriteBitmap`], every image block a write, write-zeroes or discard may change: before the
+//! slot goes to the iothread (or waits for the limits), and again when its completion is read,
+//! since the copy may have taken the bit and read the block while the request was in flight.
+//! Without a bitmap this costs one test of an `Option` per request and per completion.
 //!
 //! The chain is walked once, by [`request::collect_chain`]: virtio-queue's iterator over the
 //! avail ring reads only the avail entry (its `DescriptorChain` is lazy), and walking that
@@ -29,6 +36,7 @@ use blkplane_proto::dirty_log::DirtyLog;
 use blkplane_proto::inflight::{InflightRegion, QueueInflight};
 use blkplane_proto::ring::{Completion, Consumer, Opcode, Producer, SlotHeader, SlotTable};
 use blkplane_proto::ring::{RingError, NO_STATUS};
+use blkplane_proto::write_bitmap::WriteBitmap;
 use log::{error, info, warn};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 use virtio_queue::desc::split::Descriptor;
@@ -155,6 +163,9 @@ pub struct QueueCore {
     /// (GET_ID strings, the used ring's flags and avail_event) are marked in it; the iothread
     /// has it too, for what it writes.
     dirty_log: Option<Arc<DirtyLog>>,
+    /// While blkplaned copies the disk to another node: the image blocks requests may write are
+    /// marked in it (before they go to the iothread, and again when they complete).
+    write_bitmap: Option<Arc<WriteBitmap>>,
     /// The I/O limits and the requests waiting for them.
     throttler: Throttler,
     /// The iothread broke the completion queue's rules.
@@ -168,6 +179,37 @@ fn log_used_ring(log: Option<&DirtyLog>, queue: &Queue) {
         // 2 (flags) + 2 (idx) + 8 per entry + 2 (avail_event).
         let len = u64::from(queue.size()).saturating_mul(8).saturating_add(6);
         log.mark(queue.used_ring(), len);
+    }
+}
+
+/// Whether a request of `opcode` may change the image: what the write bitmap tracks.
+fn writes_image(opcode: Opcode) -> bool {
+    matches!(
+        opcode,
+        Opcode::Write | Opcode::WriteZeroes | Opcode::Discard
+    )
+}
+
+/// Marks in `bitmap` every image block the request in `slot` of `slots` may change (`bytes`
+/// at the header's image offset for a Write, each range segment for a Discard or WriteZeroes);
+/// nothing for the other opcodes. The slot was filled by this core; the ranges lie within the
+/// capacity the parser checked (the bitmap clamps anything else).
+fn mark_written(bitmap: &WriteBitmap, slots: &SlotTable, slot: u32, opcode: Opcode, bytes: u64) {
+    match opcode {
+        Opcode::Write => {
+            if let Ok(header) = slots.header(slot) {
+                bitmap.mark(header.image_offset, bytes);
+            }
+        }
+        Opcode::Discard | Opcode::WriteZeroes => {
+            let count = slots.header(slot).map_or(0, |header| header.segment_count);
+            for index in 0..count.min(slots.segments_per_slot()) {
+                if let Ok(range) = slots.segment(slot, index) {
+                    bitmap.mark(range.offset, u64::from(range.len));
+                }
+            }
+        }
+        Opcode::Read | Opcode::Flush | Opcode::Answer => {}
     }
 }
 
@@ -209,6 +251,7 @@ impl QueueCore {
             rejections: 0,
             paused: false,
             dirty_log: None,
+            write_bitmap: None,
             throttler: Throttler::new(slot_count),
             iothread_broken: false,
             disk,
@@ -273,6 +316,26 @@ impl QueueCore {
     /// The dirty log in force.
     pub fn dirty_log(&self) -> Option<&Arc<DirtyLog>> {
         self.dirty_log.as_ref()
+    }
+
+    /// Starts (`Some`) or stops (`None`) marking the image blocks requests may write. A new
+    /// bitmap gets the blocks of every write, write-zeroes and discard in flight (waiting for
+    /// the limits included) at once: when this returns, every write that may still change the
+    /// image is marked, and will be again when it completes.
+    pub fn set_write_bitmap(&mut self, bitmap: Option<Arc<WriteBitmap>>) {
+        if let Some(bitmap) = &bitmap {
+            for (slot, state) in (0u32..).zip(self.slots.iter()) {
+                if state.in_flight && writes_image(state.opcode) {
+                    mark_written(bitmap, &self.ends.slots, slot, state.opcode, state.bytes);
+                }
+            }
+        }
+        self.write_bitmap = bitmap;
+    }
+
+    /// The write bitmap in force.
+    pub fn write_bitmap(&self) -> Option<&Arc<WriteBitmap>> {
+        self.write_bitmap.as_ref()
     }
 
     /// Whether the core is drained ([`QueueCore::pause`]).
@@ -624,6 +687,11 @@ impl QueueCore {
                     .admit_or_queue(dir, slot, request.bytes, now_ns)
             });
         let pushed = self.ends.slots.set_header(slot, header).and_then(|()| {
+            // Marked before the iothread can see the slot: the copy then reads the block
+            // again after taking the bit, whenever the write lands.
+            if let Some(bitmap) = &self.write_bitmap {
+                mark_written(bitmap, &self.ends.slots, slot, opcode, request.bytes);
+            }
             if throttled {
                 Ok(())
             } else {
@@ -789,6 +857,17 @@ impl QueueCore {
         if state.opcode == Opcode::Answer {
             return Ok(());
         }
+        // Marked again once the write is done: the copy may have taken the bit and read the
+        // block while it was in flight.
+        if let Some(bitmap) = &self.write_bitmap {
+            mark_written(
+                bitmap,
+                &self.ends.slots,
+                completion.slot,
+                state.opcode,
+                state.bytes,
+            );
+        }
         if let Some(counters) = self.counters(local) {
             let ok = completion.status == VIRTIO_BLK_S_OK;
             let latency =
@@ -909,7 +988,14 @@ impl QueueCore {
     pub fn resubmit_in_flight(&mut self) -> u32 {
         let mut resubmitted = 0u32;
         for (slot, state) in (0u32..).zip(self.slots.iter()) {
-            if state.in_flight && !state.throttled && self.ends.submissions.push(slot).is_ok() {
+            if !state.in_flight || state.throttled {
+                continue;
+            }
+            // A write run again is a write: marked before the new iothread sees it.
+            if let Some(bitmap) = &self.write_bitmap {
+                mark_written(bitmap, &self.ends.slots, slot, state.opcode, state.bytes);
+            }
+            if self.ends.submissions.push(slot).is_ok() {
                 resubmitted = resubmitted.saturating_add(1);
             }
         }
@@ -924,7 +1010,11 @@ mod tests {
     use crate::memory::tests::two_regions;
     use blkplane_proto::inflight::InflightRegion;
     use blkplane_proto::ring::SharedRing;
-    use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN};
+    use blkplane_proto::write_bitmap::{WriteBitmap, MIN_GRANULARITY};
+    use virtio_bindings::virtio_blk::{
+        VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+        VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+    };
     use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     use vm_memory::Bytes;
 
@@ -985,6 +1075,51 @@ mod tests {
             None => desc(mem, next, status, 1, VRING_DESC_F_WRITE, 0),
         }
         status
+    }
+
+    /// A chain at `index` whose data the device reads: the header (`kind` at `sector`), `len`
+    /// bytes at `data` (a write's data, or discard/write-zeroes ranges), the status byte.
+    fn outgoing(mem: &GuestMemoryMmap, index: u16, kind: u32, sector: u64, data: u64, len: u32) {
+        let header = 0x4000 + 0x100 * u64::from(index);
+        mem.write_obj(kind, GuestAddress(header)).unwrap();
+        mem.write_obj(0u32, GuestAddress(header + 4)).unwrap();
+        mem.write_obj(sector, GuestAddress(header + 8)).unwrap();
+        desc(mem, index, header, 16, VRING_DESC_F_NEXT, index + 1);
+        desc(mem, index + 1, data, len, VRING_DESC_F_NEXT, index + 2);
+        desc(mem, index + 2, header + 0x80, 1, VRING_DESC_F_WRITE, 0);
+    }
+
+    /// A `virtio_blk_discard_write_zeroes` range at `addr`.
+    fn range(mem: &GuestMemoryMmap, addr: u64, sector: u64, sectors: u32, flags: u32) {
+        mem.write_obj(sector, GuestAddress(addr)).unwrap();
+        mem.write_obj(sectors, GuestAddress(addr + 8)).unwrap();
+        mem.write_obj(flags, GuestAddress(addr + 12)).unwrap();
+    }
+
+    /// A bitmap of the fixture's 1 MiB disk, one bit per 4 KiB: 256 blocks, 4 words.
+    fn bitmap() -> Arc<WriteBitmap> {
+        Arc::new(WriteBitmap::create(1 << 20, MIN_GRANULARITY).unwrap())
+    }
+
+    /// Takes every word of `bitmap`, as blkplaned's copy does.
+    fn take_all(bitmap: &WriteBitmap) -> Vec<u64> {
+        (0..bitmap.words()).map(|i| bitmap.take_word(i)).collect()
+    }
+
+    /// The iothread completes every published slot.
+    fn complete_all(f: &mut Fixture, iothread: &mut Consumer<u32>) {
+        let mut completions = f.ring.completion_producer();
+        for (slot, _) in submitted(f, iothread) {
+            completions
+                .push(Completion {
+                    slot,
+                    status: VIRTIO_BLK_S_OK,
+                    completed_ns: 1,
+                })
+                .unwrap();
+        }
+        completions.publish();
+        f.core.reap().unwrap();
     }
 
     struct Fixture {
@@ -1235,5 +1370,163 @@ mod tests {
         f.core.process_ring(0, 0);
         assert_eq!(f.core.next_action(), Some(Action::RingBroken(0)));
         assert_eq!(f.core.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_write_is_marked_before_the_iothread_sees_it_and_again_when_reaped() {
+        let mut f = fixture();
+        let mut iothread = f.ring.submission_consumer();
+        let bitmap = bitmap();
+        f.core.set_write_bitmap(Some(Arc::clone(&bitmap)));
+        let mem = f.memory.guest_memory();
+        // 8 KiB at byte 8192: blocks 2 and 3.
+        outgoing(mem, 0, VIRTIO_BLK_T_OUT, 16, 0x8000, 8192);
+        publish(mem, 1, &[0]);
+        f.core.process_ring(0, 0);
+        // Marked before the slot is published to the iothread.
+        assert_eq!(bitmap.count(), 2);
+        assert!(submitted(&f, &mut iothread).is_empty(), "not published yet");
+        f.core.publish_submissions();
+        let slots = submitted(&f, &mut iothread);
+        assert_eq!(slots.len(), 1);
+        assert_eq!(slots[0].1.opcode, Opcode::Write as u32);
+        // The copy takes the bits (and reads the blocks) while the write is in flight.
+        assert_eq!(take_all(&bitmap), [0b1100, 0, 0, 0]);
+        // Its completion marks them again, so that they are copied once more.
+        let mut completions = f.ring.completion_producer();
+        completions
+            .push(Completion {
+                slot: slots[0].0,
+                status: VIRTIO_BLK_S_OK,
+                completed_ns: 1,
+            })
+            .unwrap();
+        completions.publish();
+        f.core.reap().unwrap();
+        assert_eq!(f.core.in_flight(), 0);
+        assert_eq!(take_all(&bitmap), [0b1100, 0, 0, 0]);
+    }
+
+    #[test]
+    fn discards_and_write_zeroes_mark_their_ranges_reads_and_rejections_nothing() {
+        let mut f = fixture();
+        let mut iothread = f.ring.submission_consumer();
+        let bitmap = bitmap();
+        f.core.set_write_bitmap(Some(Arc::clone(&bitmap)));
+        let mem = f.memory.guest_memory();
+        request(mem, 0, VIRTIO_BLK_T_IN, Some((0x8000, 4096)));
+        // Discard of sectors 64..80 (bytes 32 KiB..40 KiB): blocks 8 and 9.
+        range(mem, 0xa000, 64, 16, 0);
+        outgoing(mem, 3, VIRTIO_BLK_T_DISCARD, 0, 0xa000, 16);
+        // Write-zeroes of two ranges: sector 1024 (block 128) and sector 2040 (block 255).
+        range(mem, 0xa100, 1024, 8, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP);
+        range(mem, 0xa110, 2040, 8, 0);
+        outgoing(mem, 6, VIRTIO_BLK_T_WRITE_ZEROES, 0, 0xa100, 32);
+        // A write past the capacity: rejected, answered by the core, writes nothing.
+        outgoing(mem, 9, VIRTIO_BLK_T_OUT, 2048, 0x8000, 4096);
+        request(mem, 12, VIRTIO_BLK_T_FLUSH, None);
+        publish(mem, 5, &[0, 3, 6, 9, 12]);
+        f.core.process_ring(0, 0);
+        f.core.publish_submissions();
+        let opcodes: Vec<_> = submitted(&f, &mut iothread)
+            .iter()
+            .map(|(slot, h)| (*slot, h.opcode))
+            .collect();
+        assert_eq!(
+            opcodes,
+            [
+                (0, Opcode::Read as u32),
+                (3, Opcode::Discard as u32),
+                (6, Opcode::WriteZeroes as u32),
+                (9, Opcode::Answer as u32),
+                (12, Opcode::Flush as u32),
+            ]
+        );
+        assert_eq!(take_all(&bitmap), [0b11 << 8, 0, 1, 1 << 63]);
+        // Their completions mark the same blocks again, and nothing else.
+        let mut completions = f.ring.completion_producer();
+        for slot in [0, 3, 6, 9, 12] {
+            completions
+                .push(Completion {
+                    slot,
+                    status: VIRTIO_BLK_S_OK,
+                    completed_ns: 1,
+                })
+                .unwrap();
+        }
+        completions.publish();
+        f.core.reap().unwrap();
+        assert_eq!(take_all(&bitmap), [0b11 << 8, 0, 1, 1 << 63]);
+    }
+
+    #[test]
+    fn a_bitmap_installed_marks_the_writes_in_flight_and_none_once_removed() {
+        let mut f = fixture();
+        let mut iothread = f.ring.submission_consumer();
+        let mem = f.memory.guest_memory();
+        // A read and a 4 KiB write at byte 12 KiB (block 3) in flight, no bitmap yet.
+        request(mem, 0, VIRTIO_BLK_T_IN, Some((0x8000, 4096)));
+        outgoing(mem, 3, VIRTIO_BLK_T_OUT, 24, 0x9000, 4096);
+        publish(mem, 2, &[0, 3]);
+        f.core.process_ring(0, 0);
+        f.core.publish_submissions();
+        let bitmap = bitmap();
+        f.core.set_write_bitmap(Some(Arc::clone(&bitmap)));
+        assert!(f.core.write_bitmap().is_some());
+        assert_eq!(take_all(&bitmap), [1 << 3, 0, 0, 0]);
+        // Removed: the write's completion marks nothing any more.
+        f.core.set_write_bitmap(None);
+        complete_all(&mut f, &mut iothread);
+        assert_eq!(f.core.in_flight(), 0);
+        assert_eq!(bitmap.count(), 0);
+    }
+
+    #[test]
+    fn writes_resubmitted_to_a_new_iothread_are_marked_again() {
+        let mut f = fixture();
+        let mut iothread = f.ring.submission_consumer();
+        let bitmap = bitmap();
+        f.core.set_write_bitmap(Some(Arc::clone(&bitmap)));
+        let mem = f.memory.guest_memory();
+        // 4 KiB at byte 256 KiB: block 64, bit 0 of word 1.
+        outgoing(mem, 0, VIRTIO_BLK_T_OUT, 512, 0x8000, 4096);
+        request(mem, 3, VIRTIO_BLK_T_IN, Some((0x9000, 512)));
+        publish(mem, 2, &[0, 3]);
+        f.core.process_ring(0, 0);
+        f.core.publish_submissions();
+        assert_eq!(submitted(&f, &mut iothread).len(), 2);
+        assert_eq!(take_all(&bitmap), [0, 1, 0, 0]);
+        // The iothread dies; its successor gets the same ring (slots kept, queues reset).
+        f.core.iothread_gone();
+        f.ring.reset_queues();
+        f.core.attach(RingEnds {
+            submissions: f.ring.submission_producer(),
+            completions: f.ring.completion_consumer(),
+            slots: f.ring.slots(),
+        });
+        assert_eq!(f.core.resubmit_in_flight(), 2);
+        assert_eq!(take_all(&bitmap), [0, 1, 0, 0]);
+    }
+
+    #[test]
+    fn a_bitmap_installed_marks_writes_waiting_for_the_limits_too() {
+        let mut f = fixture();
+        let limits = blkplane_proto::v1::SetThrottle {
+            limits: Some(blkplane_throttle::wire::named(&[("iops_write", 1)]).unwrap()),
+            ..Default::default()
+        };
+        let limits = DiskThrottle::from_request(&limits, None).unwrap();
+        f.core.set_throttle(limits, 0);
+        let mem = f.memory.guest_memory();
+        // Writes at blocks 1 and 2: the first goes, the second waits for the limits.
+        outgoing(mem, 0, VIRTIO_BLK_T_OUT, 8, 0x8000, 4096);
+        outgoing(mem, 3, VIRTIO_BLK_T_OUT, 16, 0x9000, 4096);
+        publish(mem, 2, &[0, 3]);
+        f.core.process_ring(0, 0);
+        assert!(!f.core.slot(0).unwrap().throttled);
+        assert!(f.core.slot(3).unwrap().throttled);
+        let bitmap = bitmap();
+        f.core.set_write_bitmap(Some(Arc::clone(&bitmap)));
+        assert_eq!(take_all(&bitmap), [0b110, 0, 0, 0]);
     }
 }

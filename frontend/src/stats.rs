@@ -179,6 +179,8 @@ pub struct DeviceStatus {
     pub acked_protocol_features: AtomicU64,
     /// The disk is drained: no worker pops a request until it is resumed.
     pub drained: AtomicBool,
+    /// Every worker marks the guest's writes in a bitmap blkplaned sent (TrackWrites).
+    pub tracking_writes: AtomicBool,
     /// The migration blockers blkplaned sent (SetMigrationBlockers). Read and written on the
     /// control path only (admin channel, SET_FEATURES, SET_LOG_BASE), never per request.
     migration_blockers: Mutex<Vec<String>>,
@@ -203,6 +205,7 @@ impl DeviceStatus {
             acked_features: AtomicU64::new(0),
             acked_protocol_features: AtomicU64::new(0),
             drained: AtomicBool::new(false),
+            tracking_writes: AtomicBool::new(false),
             migration_blockers: Mutex::new(Vec::new()),
             last_iothread_exit: Mutex::new(String::new()),
         }

@@ -30,6 +30,7 @@ use blkplane_proto::clock::monotonic_ns;
 use blkplane_proto::control::ControlError;
 use blkplane_proto::dirty_log::DirtyLog;
 use blkplane_proto::inflight::QueueInflight;
+use blkplane_proto::write_bitmap::WriteBitmap;
 use log::{error, info, warn};
 use virtio_queue::Queue;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -141,6 +142,14 @@ pub enum Command {
         /// The log, while the VMM has VHOST_F_LOG_ALL set.
         log: Option<Arc<DirtyLog>>,
         /// Acknowledgement: every write completed from now on is marked.
+        reply: Sender<()>,
+    },
+    /// Start (`Some`) or stop (`None`) marking the image blocks the guest writes in a bitmap
+    /// blkplaned copies the disk by (TrackWrites on the admin channel).
+    TrackWrites {
+        /// The bitmap.
+        bitmap: Option<Arc<WriteBitmap>>,
+        /// Acknowledgement: every write in flight is marked, and every later one will be.
         reply: Sender<()>,
     },
     /// Read the completions the iothread published, so that the statistics are current.
@@ -578,6 +587,10 @@ impl Worker {
                     error!("worker {}: handing the dirty log over: {e}", self.index);
                 }
                 self.core.set_dirty_log(log);
+                let _ = reply.send(());
+            }
+            Command::TrackWrites { bitmap, reply } => {
+                self.core.set_write_bitmap(bitmap);
                 let _ = reply.send(());
             }
             Command::SettleStatistics { reply } => {

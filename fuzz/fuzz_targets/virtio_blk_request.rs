@@ -8,7 +8,10 @@
 //! a null image does (`SlotState::run_null`), and hands the completion back, which the core
 //! must accept. Whatever the frontend lets through, the iothread must accept as the same
 //! request; the core must never report a correct iothread as broken; a guest that keeps
-//! publishing chains is served a ring's worth per pass.
+//! publishing chains is served a ring's worth per pass. A write bitmap is installed (as
+//! blkplaned's TrackWrites does): before the iothread sees a pass's slots, and again after
+//! their completions were read, exactly the blocks of the writes, write-zeroes and discards the
+//! iothread executed are marked — none of reads, flushes or the core's answers.
 //!
 //! Input format: `blkplane_fuzz::blk`.
 
@@ -30,6 +33,7 @@ use blkplane_iothread::request::{ImageRange, Request as IoRequest};
 use blkplane_iothread::slot::{SlotState, Step};
 use blkplane_proto::inflight::{InflightRegion, Limits};
 use blkplane_proto::ring::{Completion, Opcode, SharedRing, NO_STATUS};
+use blkplane_proto::write_bitmap::{WriteBitmap, DEFAULT_GRANULARITY};
 use libfuzzer_sys::fuzz_target;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 use virtio_queue::{Queue, QueueT};
@@ -44,7 +48,12 @@ struct Fixture {
     io_ring: SharedRing,
     io_memory: blkplane_iothread::memory::MemoryTable,
     state: SlotState,
+    /// The write bitmap, of the first [`BITMAP_CAPACITY`] bytes (marks beyond are clamped).
+    bitmap: Arc<WriteBitmap>,
 }
+
+/// The capacity the write bitmap covers: 256 words at 64 KiB per bit.
+const BITMAP_CAPACITY: u64 = 1 << 30;
 
 fn fixture() -> Fixture {
     let size = blk::REGIONS.iter().map(|r| r.1).sum();
@@ -84,7 +93,31 @@ fn fixture() -> Fixture {
         io_ring,
         io_memory,
         state: SlotState::new(segments),
+        bitmap: Arc::new(
+            WriteBitmap::create(BITMAP_CAPACITY, DEFAULT_GRANULARITY).expect("write bitmap"),
+        ),
     }
+}
+
+/// Takes every word of the bitmap, as blkplaned's copy does.
+fn take_all(bitmap: &WriteBitmap) -> Vec<u64> {
+    (0..bitmap.words()).map(|i| bitmap.take_word(i)).collect()
+}
+
+/// The bitmap words that marking `ranges` (offset, length) would set.
+fn expected_marks(bitmap: &WriteBitmap, ranges: &[(u64, u64)]) -> Vec<u64> {
+    let mut words = vec![0u64; bitmap.words()];
+    for &(offset, len) in ranges {
+        if len == 0 {
+            continue;
+        }
+        let first = offset / DEFAULT_GRANULARITY;
+        let last = (offset.saturating_add(len - 1) / DEFAULT_GRANULARITY).min(bitmap.blocks() - 1);
+        for block in first..=last {
+            words[(block / 64) as usize] |= 1 << (block % 64);
+        }
+    }
+    words
 }
 
 fn disk(flags: u8, capacity: u64) -> DiskConfig {
@@ -201,6 +234,8 @@ fn run(f: &mut Fixture, input: &Input) {
         ends,
     );
     core.start_ring(0, queue, inflight, Vec::new());
+    core.set_write_bitmap(Some(Arc::clone(&f.bitmap)));
+    take_all(&f.bitmap);
     let mut iothread = Iothread {
         submissions: f.io_ring.submission_consumer(),
         completions: f.io_ring.completion_producer(),
@@ -208,11 +243,22 @@ fn run(f: &mut Fixture, input: &Input) {
     for _ in 0..PASSES {
         core.process_ring(0, 0);
         core.publish_submissions();
-        iothread.run(f, &core, disk.capacity_bytes());
+        // Marked before the iothread saw anything; taken, as a copy would.
+        let marked = take_all(&f.bitmap);
+        let written = iothread.run(f, &core, disk.capacity_bytes());
+        let expected = expected_marks(&f.bitmap, &written);
+        assert!(
+            marked == expected,
+            "marked before submission: not the blocks of {written:?}"
+        );
         // A correct iothread's completions are always accepted.
         if let Err(e) = core.reap() {
             panic!("the core refused a correct iothread's completions: {e}");
         }
+        assert!(
+            take_all(&f.bitmap) == expected,
+            "marked at completion: not the blocks of {written:?}"
+        );
         assert_eq!(core.in_flight(), 0, "every slot handed over came back");
         let mut again = false;
         while let Some(action) = core.next_action() {
@@ -237,8 +283,10 @@ struct Iothread {
 
 impl Iothread {
     /// Executes every published slot as engine.rs's start() does on a null image of
-    /// `image_size` bytes, and publishes the completions.
-    fn run(&mut self, f: &mut Fixture, core: &QueueCore, image_size: u64) {
+    /// `image_size` bytes, and publishes the completions; returns the image ranges (offset,
+    /// length) the writes, write-zeroes and discards among them change.
+    fn run(&mut self, f: &mut Fixture, core: &QueueCore, image_size: u64) -> Vec<(u64, u64)> {
+        let mut written = Vec::new();
         let io_slots = f.io_ring.slots();
         while let Some(slot) = self.submissions.pop().expect("the frontend's indices") {
             let header = io_slots.header(slot).expect("a slot of the table");
@@ -277,7 +325,17 @@ impl Iothread {
                     status
                 }
                 parsed => {
-                    check_agreement(&state, &header, &parsed, ranges_of(&mut f.state, &parsed));
+                    let ranges = ranges_of(&mut f.state, &parsed);
+                    match parsed {
+                        IoRequest::Write {
+                            image_offset, len, ..
+                        } => written.push((image_offset, len)),
+                        IoRequest::Discard { .. } | IoRequest::WriteZeroes { .. } => {
+                            written.extend(ranges.iter().map(|r| (r.offset, r.len)));
+                        }
+                        _ => {}
+                    }
+                    check_agreement(&state, &header, &parsed, ranges);
                     // SAFETY: parse just filled the iovecs with ranges inside io_memory's
                     // mappings, which stay mapped for the fixture's life; nothing else touches
                     // them during the call.
@@ -296,6 +354,7 @@ impl Iothread {
         }
         self.submissions.release();
         self.completions.publish();
+        written
     }
 }
 

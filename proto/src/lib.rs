@@ -8,6 +8,8 @@
 //! - [`inflight`]: the inflight region (INFLIGHT_SHMFD) the frontend marks requests in and the
 //!   iothread clears them from as it puts them on the used ring.
 //! - [`dirty_log`]: a live migration's dirty-page bitmap, marked by both processes.
+//! - [`write_bitmap`]: the image blocks the guest writes while blkplaned copies a disk to
+//!   another node, set by the frontend and taken by blkplaned's copy.
 //! - [`clock`]: the monotonic clock both processes stamp requests with.
 //! - [`v1`]: the protobuf messages of `blkplane/v1/frontend.proto`, the admin channel between
 //!   `blkplaned` and a frontend (status, statistics, resize). The gRPC API of `blkplaned`
@@ -33,6 +35,7 @@ pub mod dirty_log;
 pub mod inflight;
 pub mod ring;
 pub mod shm;
+pub mod write_bitmap;
 
 /// Protobuf messages of package `blkplane.v1` generated from `blkplane/v1/frontend.proto`.
 #[allow(missing_docs, clippy::all)]

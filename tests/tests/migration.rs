@@ -24,6 +24,10 @@
 //! "nodes" (network namespaces joined by a veth pair, a blkplaned in each, mutual TLS between
 //! them, one image both reach): the destination disk is `--incoming-from` node A, the QEMUs
 //! run in their nodes and migrate over TCP, and node A retires `src` when node B asks.
+//! `live_migration_across_nodes_with_local_storage` does it with node A's own image: node B's
+//! disk gets a new image, node A copies the disk there while fio writes (`disk migrate --to`),
+//! QEMU migrates once the copy has converged, the source QEMU's switch-over sends the rest,
+//! and the guest verifies every block on node B's copy.
 //!
 //! Needs what `tests/setup.sh` installs (QEMU 10.0, the guest's packages, iproute2), and root.
 
@@ -188,12 +192,14 @@ enum Sides<'a> {
     /// socket.
     OneNode(&'a Daemon),
     /// A blkplaned per node, each in its network namespace, on one image both reach
-    /// (`--incoming-from … --shared`); the QEMUs run in the nodes and migrate over TCP
-    /// between them.
+    /// (`--incoming-from … --shared`), or with `local` the destination's own image at that
+    /// path, which node A copies there (`--incoming-from`, `disk migrate --to`); the QEMUs run
+    /// in the nodes and migrate over TCP between them.
     TwoNodes {
         src: &'a Daemon,
         dst: &'a Daemon,
         nodes: &'a TwoNodes,
+        local: Option<PathBuf>,
     },
 }
 
@@ -225,18 +231,34 @@ impl Sides<'_> {
         }
     }
 
-    /// What makes `disk add dst` the incoming disk of `src`, and the field that names it.
+    /// What makes `disk add dst` the incoming disk of `src` (and, but for a local copy, whose
+    /// new image it names, the image is the source's), and the field that names it.
     fn incoming(&self) -> (Vec<String>, &'static str) {
         match self {
             Sides::OneNode(_) => (vec!["--incoming-for".into(), "src".into()], "incoming_for"),
-            Sides::TwoNodes { .. } => (
-                vec![
+            Sides::TwoNodes { local, .. } => {
+                let mut args = vec![
                     "--incoming-from".into(),
                     format!("{}:{API_PORT}/src", ADDRESSES[0]),
-                    "--shared".into(),
-                ],
-                "incoming_from",
-            ),
+                ];
+                match local {
+                    Some(image) => {
+                        args.extend(["--image".into(), image.to_str().unwrap().to_string()])
+                    }
+                    None => args.push("--shared".into()),
+                }
+                (args, "incoming_from")
+            }
+        }
+    }
+
+    /// The destination's own image, when node A copies the disk there.
+    fn local(&self) -> Option<&Path> {
+        match self {
+            Sides::TwoNodes {
+                local: Some(image), ..
+            } => Some(image),
+            _ => None,
         }
     }
 
@@ -335,17 +357,21 @@ impl Host<'_> {
     }
 
     /// Writes "`what` <nonce>" to the image at `offset`, past the frontends (the guest reads
-    /// it with O_DIRECT).
+    /// it with O_DIRECT): to the source's image and, for a local copy, to the destination's
+    /// too (written past the source frontend, it is not marked for the copy).
     fn write_marker(&self, offset: u64, what: &str) -> Result<(), String> {
         let marker = format!("{what} {}\n", self.nonce);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&self.image)
-            .map_err(|e| e.to_string())?;
-        f.seek(SeekFrom::Start(offset))
-            .and_then(|_| f.write_all(marker.as_bytes()))
-            .and_then(|_| f.sync_data())
-            .map_err(|e| format!("writing {what}: {e}"))
+        for image in std::iter::once(self.image.as_path()).chain(self.sides.local()) {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(image)
+                .map_err(|e| e.to_string())?;
+            f.seek(SeekFrom::Start(offset))
+                .and_then(|_| f.write_all(marker.as_bytes()))
+                .and_then(|_| f.sync_data())
+                .map_err(|e| format!("writing {what} to {}: {e}", image.display()))?;
+        }
+        Ok(())
     }
 
     fn migrate(&mut self, src: &mut Vm) -> Result<(Vm, String), String> {
@@ -363,9 +389,38 @@ impl Host<'_> {
         }
         let image = self.image.to_str().unwrap().to_string();
         let (incoming, _) = self.sides.incoming();
-        let mut add = vec!["disk", "add", "dst", "--image", &image, "--iothreads", "2"];
+        let mut add = vec!["disk", "add", "dst", "--iothreads", "2"];
+        if self.sides.local().is_none() {
+            add.extend(["--image", &image]);
+        }
         add.extend(incoming.iter().map(String::as_str));
         let dst = dst_daemon.ctl_json(&add);
+        // A local disk: node A copies it to node B's new image while the guest writes, and
+        // the VM migrates once the copy has converged.
+        let copy_started = Instant::now();
+        let mut converged_after = None;
+        if self.sides.local().is_some() {
+            src_daemon.ctl_ok(&[
+                "disk",
+                "migrate",
+                "src",
+                "--to",
+                &format!("{}:{API_PORT}/dst", ADDRESSES[1]),
+            ]);
+            let deadline = Instant::now() + MIGRATION_TIMEOUT;
+            loop {
+                let copy = src_daemon.disk("src").get("migration_copy").clone();
+                match copy.get("phase").str() {
+                    "converged" => break,
+                    "failed" => return Err(format!("the copy failed: {copy:?}")),
+                    _ if Instant::now() >= deadline => {
+                        return Err(format!("the copy did not converge: {copy:?}"))
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(100)),
+                }
+            }
+            converged_after = Some(copy_started.elapsed());
+        }
         let reasons = blocker_reasons(&dst);
         if !reasons.iter().any(|r| r == "incoming") {
             return Err(format!(
@@ -517,13 +572,29 @@ impl Host<'_> {
             .collect();
         stops.drain(..stops.len().saturating_sub(usize::from(QUEUES)));
         let dst_log = read_lossy(&dst_daemon.disks_dir().join("dst.log"));
-        let drop = dst_log
-            .lines()
-            .find_map(|l| micros_after(l, "before serving, in "))
-            .map_or_else(
-                || "no cache drop (one node)".to_string(),
-                |us| format!("cache drop {us} µs"),
-            );
+        let drop = match converged_after {
+            // The copy's switch-over, as node A logged it: the rest sent, node B's image
+            // durable, its frontend serving.
+            Some(converged) => {
+                let log = src_daemon.log_text();
+                let line = log
+                    .lines()
+                    .rfind(|l| l.contains("is complete: the source's rings stopped"))
+                    .ok_or("node A logged no complete copy")?;
+                format!(
+                    "copy converged {converged:.1?} after it started; its switch-over: {}",
+                    line.split_once("the destination serves (")
+                        .map_or(line, |(_, r)| r.trim_end_matches(')'))
+                )
+            }
+            None => dst_log
+                .lines()
+                .find_map(|l| micros_after(l, "before serving, in "))
+                .map_or_else(
+                    || "no cache drop (one node)".to_string(),
+                    |us| format!("cache drop {us} µs"),
+                ),
+        };
         // Dirty logging must not cost the source its iothreads (a reply owed on the control
         // socket was once taken for an iothread's death, and every migration start replaced
         // them all).
@@ -579,7 +650,23 @@ fn live_migration_with_fio_and_a_blocked_attempt() {
 #[test]
 fn live_migration_across_nodes_with_shared_storage() {
     let dir = TempDir::new("migration-nodes");
-    let nodes = TwoNodes::new("mig").unwrap_or_else(|e| panic!("two network namespaces: {e}"));
+    let (nodes, src, dst) = two_nodes(&dir, "mig", "migration");
+    run_migration(
+        &dir,
+        &Sides::TwoNodes {
+            src: &src,
+            dst: &dst,
+            nodes: &nodes,
+            local: None,
+        },
+    );
+}
+
+/// Two "nodes" (network namespaces named after `tag`) with a blkplaned each (logs tagged
+/// `daemon_tag`), their API on TCP with mutual TLS (certificates in `dir`), each able to
+/// reach the other.
+fn two_nodes(dir: &TempDir, tag: &str, daemon_tag: &str) -> (TwoNodes, Daemon, Daemon) {
+    let nodes = TwoNodes::new(tag).unwrap_or_else(|e| panic!("two network namespaces: {e}"));
     let certs = dir.join("certs");
     std::fs::create_dir(&certs).unwrap();
     let san = format!(
@@ -595,7 +682,7 @@ fn live_migration_across_nodes_with_shared_storage() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
         Daemon::start_in(
-            &format!("migration-{name}"),
+            &format!("{daemon_tag}-{name}"),
             &args,
             Some(&reach),
             Some(nodes.name(i)),
@@ -603,12 +690,26 @@ fn live_migration_across_nodes_with_shared_storage() {
     };
     let src = daemon_in(0, "node-a");
     let dst = daemon_in(1, "node-b");
+    (nodes, src, dst)
+}
+
+/// As `live_migration_across_nodes_with_shared_storage`, but the image is node A's own: node B
+/// gets a new image (`--incoming-from` without `--shared`), node A copies the disk there while
+/// fio writes (`disk migrate --to`), the VM migrates once the copy has converged, and the
+/// guest verifies everything on node B's copy.
+#[test]
+fn live_migration_across_nodes_with_local_storage() {
+    let dir = TempDir::new("migration-local");
+    let (nodes, src, dst) = two_nodes(&dir, "mgl", "migration-local");
+    let node_b_images = dir.join("node-b-images");
+    std::fs::create_dir(&node_b_images).unwrap();
     run_migration(
         &dir,
         &Sides::TwoNodes {
             src: &src,
             dst: &dst,
             nodes: &nodes,
+            local: Some(node_b_images.join("disk.img")),
         },
     );
 }
@@ -788,7 +889,8 @@ fn run_migration(dir: &TempDir, sides: &Sides) {
     // Keep the run's logs for a look after the fact.
     let keep = target_dir().join("guest").join(match sides {
         Sides::OneNode(_) => "last-migration",
-        Sides::TwoNodes { .. } => "last-migration-nodes",
+        Sides::TwoNodes { local: None, .. } => "last-migration-nodes",
+        Sides::TwoNodes { local: Some(_), .. } => "last-migration-nodes-local",
     });
     let _ = std::fs::remove_dir_all(&keep);
     if std::fs::create_dir_all(&keep).is_ok() {

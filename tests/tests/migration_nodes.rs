@@ -4,7 +4,7 @@
 //!
 //! - refusals at the destination, each leaving nothing on either node: a source disk the other
 //!   node does not have (NOT_FOUND from there), a blocked source (FAILED_PRECONDITION naming
-//!   the blocker), local storage (UNIMPLEMENTED), an image of another size (INVALID_ARGUMENT,
+//!   the blocker), local storage without the new image's path (INVALID_ARGUMENT), an image of another size (INVALID_ARGUMENT,
 //!   the source's record undone), a node nobody listens at (UNAVAILABLE), a destination
 //!   blkplaned without peer certificates (FAILED_PRECONDITION);
 //! - the migration: the destination disk takes the source's device, both disks show the
@@ -175,11 +175,11 @@ fn shared_storage_migration_between_two_blkplaned() {
         .ctl_ok(&["disk", "blocker", "remove", "src", "backup"]);
     let msg = b.daemon.ctl_refused(
         &add_b(&["--incoming-from", &from("src")]),
-        "UNIMPLEMENTED",
-        "incoming_from.storage",
+        "INVALID_ARGUMENT",
+        "settings.image",
     );
-    assert!(msg.contains("not built yet"), "{msg}");
-    nothing_left("local storage");
+    assert!(msg.contains("local storage"), "{msg}");
+    nothing_left("local storage without a new image");
     let other = create_image(&images.join("other.img"), 16 * MIB);
     let msg = b.daemon.ctl_refused(
         &add_b(&[

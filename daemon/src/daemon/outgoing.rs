@@ -80,15 +80,6 @@ impl Daemon {
             }
             None => false,
         };
-        if destination.storage == MigrationStorage::Local {
-            return Err(ValidationError::Unimplemented {
-                field: "destination.storage",
-                reason: "local: copying a disk's contents to another node while the guest \
-                         runs is not built yet"
-                    .into(),
-            }
-            .into());
-        }
         if disk.spec.format == Some(Format::Qcow2) {
             return Err(refused(format!(
                 "the image {} of disk {id} is qcow2, and live migration of a qcow2 disk is \
@@ -143,6 +134,11 @@ impl Daemon {
             }
             .into());
         }
+        // Local storage: the destination serves only a complete image; a copy that is not
+        // complete here (it was reopened) means the source serves again.
+        if destination.storage == MigrationStorage::Local && !self.copy_complete(id) {
+            return Ok(RetireOutcome::SourceServes);
+        }
         match self.source_serves(&disk).await {
             Some(TakeoverWait::BothServing) => return Ok(RetireOutcome::SourceServes),
             Some(TakeoverWait::SourceUnknown | TakeoverWait::SourceForgot) => {
@@ -188,6 +184,7 @@ impl Daemon {
             .into());
         }
         self.change_lifecycle_held(&disk, |l| l.outgoing = None)?;
+        self.stop_copy(id);
         info!("disk {id}: the live migration to {current} was cancelled");
         self.events.emit(
             EventKind::MigrationCancelled,

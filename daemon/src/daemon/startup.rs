@@ -80,6 +80,8 @@ impl Daemon {
             node_name: config.node_name,
             peers: config.peers,
             cancelling: Mutex::new(Default::default()),
+            copies: Mutex::new(Default::default()),
+            receiving: Mutex::new(Default::default()),
             _locks: locks,
         });
         daemon.sweep_orphans(&state).await;

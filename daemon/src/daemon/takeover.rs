@@ -88,6 +88,15 @@ impl Daemon {
         if status.pid != rt.pid || !migration::destination_runs(&status) {
             return Ok(());
         }
+        // A copy from another node not complete yet: the frontend serves nothing, the VM
+        // does not run here.
+        if rt
+            .incoming_from
+            .as_ref()
+            .is_some_and(|f| f.image_incomplete)
+        {
+            return Ok(());
+        }
         let Some(source_id) = rt.incoming_for.clone() else {
             // The other node may be slow to answer: AddDisk, RemoveDisk and the rest do not
             // wait for it (take_over_remote takes `ops` again for its own state write).

@@ -15,7 +15,17 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use super::{DiskMetrics, Snapshot, REASONS, STATES};
-use blkplane_api::names::{reason_name, state_name};
+use crate::pb::{MigrationCopy, MigrationCopyPhase};
+use blkplane_api::names::{copy_phase_name, reason_name, state_name};
+
+/// The phases of a copy as series of `blkplane_disk_migration_copy_phase`, in the API's order.
+const COPY_PHASES: [MigrationCopyPhase; 5] = [
+    MigrationCopyPhase::Bulk,
+    MigrationCopyPhase::Dirty,
+    MigrationCopyPhase::Converged,
+    MigrationCopyPhase::Complete,
+    MigrationCopyPhase::Failed,
+];
 
 /// The `Content-Type` of `/metrics`: Prometheus' text exposition format 0.0.4 (UTF-8).
 pub const METRICS_CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -296,6 +306,54 @@ impl Collector for Scrape {
         }
         f.write(e)?;
 
+        let copies = || {
+            disks
+                .iter()
+                .filter_map(|d| Some((d.id.as_str(), d.copy.as_ref()?)))
+        };
+        let mut f = Family::new(
+            "blkplane_disk_migration_copy_phase",
+            "On the source of a copy to another node (StartMigration): 1 for the copy's phase \
+             (bulk, dirty, converged, complete, failed), 0 for the others. Absent without a copy.",
+        );
+        for (id, c) in copies() {
+            for phase in COPY_PHASES {
+                f.add(
+                    &[("disk", id), ("phase", copy_phase_name(phase))],
+                    flag(c.phase == phase as i32),
+                );
+            }
+        }
+        f.write(e)?;
+        for (name, help, value) in [
+            (
+                "blkplane_disk_migration_copy_sent_bytes",
+                "Bytes of image the copy to another node has sent (zero ranges by their length).",
+                (|c: &MigrationCopy| c.bytes_sent) as fn(&MigrationCopy) -> u64,
+            ),
+            (
+                "blkplane_disk_migration_copy_remaining_bytes",
+                "Bytes the copy to another node still has to send.",
+                |c| c.remaining_bytes,
+            ),
+            (
+                "blkplane_disk_migration_copy_dirty_bytes_per_second",
+                "How fast the guest wrote blocks the copy had sent, over its last pass.",
+                |c| c.dirty_bytes_per_second,
+            ),
+            (
+                "blkplane_disk_migration_copy_write_limit_bytes_per_second",
+                "Auto-converge: the limit on the disk's writes while its copy converges; 0: none.",
+                |c| c.throttle_write_bytes_per_second,
+            ),
+        ] {
+            let mut f = Family::new(name, help);
+            for (id, c) in copies() {
+                f.add(&[("disk", id)], gauge(value(c)));
+            }
+            f.write(e)?;
+        }
+
         let mut f = Family::new(
             "blkplane_disk_stats_available",
             "1 if the disk's frontend answered this scrape's statistics request (then its \
@@ -489,6 +547,12 @@ mod tests {
                         role: "source",
                         peer: "a2@node-b".into(),
                     }),
+                    copy: Some(MigrationCopy {
+                        phase: MigrationCopyPhase::Converged as i32,
+                        bytes_sent: 5000,
+                        remaining_bytes: 65536,
+                        ..MigrationCopy::default()
+                    }),
                 },
                 DiskMetrics {
                     id: "b".into(),
@@ -498,6 +562,7 @@ mod tests {
                     blockers: vec![Reason::FrontendRestarting, Reason::OperatorBackup],
                     queues: None,
                     migration: None,
+                    copy: None,
                 },
             ],
         }
@@ -588,6 +653,13 @@ mod tests {
             "blkplane_disk_migration{disk=\"a\",role=\"source\",peer=\"a2@node-b\"} 1\n"
         ));
         assert!(!text.contains("blkplane_disk_migration{disk=\"b\""));
+        assert!(
+            text.contains("blkplane_disk_migration_copy_phase{disk=\"a\",phase=\"converged\"} 1\n")
+        );
+        assert!(text.contains("blkplane_disk_migration_copy_phase{disk=\"a\",phase=\"bulk\"} 0\n"));
+        assert!(text.contains("blkplane_disk_migration_copy_sent_bytes{disk=\"a\"} 5000\n"));
+        assert!(text.contains("blkplane_disk_migration_copy_remaining_bytes{disk=\"a\"} 65536\n"));
+        assert!(lines(&text, "blkplane_disk_migration_copy_phase{disk=\"b\"").is_empty());
         assert_eq!(
             lines(&text, "blkplane_disk_state{disk=\"b\"").len(),
             STATES.len()

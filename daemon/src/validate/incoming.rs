@@ -140,13 +140,21 @@ pub fn check_incoming_from(
     let storage = match MigrationStorage::from_pb(from.storage) {
         Some(MigrationStorage::Shared) => MigrationStorage::Shared,
         Some(MigrationStorage::Local) => {
-            return Err(ValidationError::Unimplemented {
-                field: "incoming_from.storage",
-                reason: "local: copying a disk's contents to another node while the guest \
-                         runs is not built yet; an image on storage both nodes reach migrates \
-                         with shared"
-                    .into(),
-            })
+            let image = req
+                .settings
+                .as_ref()
+                .map(|s| s.image.as_str())
+                .unwrap_or("");
+            if image.is_empty() || !Path::new(image).is_absolute() {
+                return Err(invalid(
+                    "settings.image",
+                    format!(
+                        "{image:?}: with local storage, the absolute path of the new image \
+                         on this node is required (blkplaned creates it; it must not exist)"
+                    ),
+                ));
+            }
+            MigrationStorage::Local
         }
         None => {
             return Err(invalid(
@@ -164,6 +172,7 @@ pub fn check_incoming_from(
             disk: from.disk.clone(),
             storage,
             as_node: node.to_string(),
+            image_incomplete: storage == MigrationStorage::Local,
         },
         endpoint,
     )))
@@ -599,13 +608,22 @@ mod tests {
                 .field(),
             "incoming_from.storage"
         );
-        // Copying a local disk is not built: said as such, not as a bad argument.
+        // Copying a local disk needs the new image's path here.
         let e = check_incoming_from(
             &req(from("node-a:7070", "vd1", MigrationStorage::Local)),
             "n",
         )
         .unwrap_err();
-        assert!(matches!(e, ValidationError::Unimplemented { .. }), "{e:?}");
+        assert_eq!(e.field(), "settings.image", "{e:?}");
+        let local = AddDiskRequest {
+            settings: Some(DiskSettings {
+                image: "/images/new.img".into(),
+                ..DiskSettings::default()
+            }),
+            ..req(from("node-a:7070", "vd1", MigrationStorage::Local))
+        };
+        let (source, _) = check_incoming_from(&local, "n").unwrap().unwrap();
+        assert!(source.image_incomplete);
         // One source at a time.
         let both = AddDiskRequest {
             incoming_for: "a".into(),
@@ -626,6 +644,7 @@ mod tests {
             disk: "src".into(),
             storage: MigrationStorage::Shared,
             as_node: "node-b".into(),
+            image_incomplete: false,
         };
         let recorded = crate::pb::OutgoingMigration {
             node: "node-b".into(),
