@@ -27,8 +27,8 @@ use crate::peer::{PeerError, Peers};
 use crate::runtime::serving;
 use crate::settings::{RestartPolicy, Settings};
 use crate::state::{
-    DirLock, DiskLifecycle, DiskSpec, MigrationStorage, RunAsSpec, State, StateError, StateStore,
-    StoredDisk,
+    DirLock, DiskLifecycle, DiskSpec, MigrationStorage, RemoteSource, RunAsSpec, State, StateError,
+    StateStore, StoredDisk,
 };
 use crate::supervisor::{DiskHandle, Initial};
 use crate::sync::lock;
@@ -484,7 +484,11 @@ impl Daemon {
         req: AddDiskRequest,
         source: &pb::Disk,
     ) -> Result<pb::Disk, DaemonError> {
-        let image = PathBuf::from(req.settings.as_ref().map_or("", |s| s.image.as_str()));
+        let image = validate::disk::check_new_image(
+            "settings.image",
+            req.settings.as_ref().map_or("", |s| s.image.as_str()),
+            &self.ctx.image_dirs,
+        )?;
         crate::mirror::image::create_destination(&image, source.capacity_bytes).map_err(|e| {
             let reason = format!(
                 "{}: cannot create the new image of a copy from another node: {e}",
@@ -537,10 +541,7 @@ impl Daemon {
             throttle::frontend_request(&throttle_setting, &self.settings.throttle_dir);
         // The destination of a copy from another node serves nothing before its image is
         // complete.
-        let incomplete = spec
-            .incoming_from
-            .as_ref()
-            .is_some_and(|from| from.image_incomplete);
+        let incomplete = RemoteSource::awaits_image(spec.incoming_from.as_ref());
         let started =
             frontend::start_throttled(&self.settings, &spec, &paths, incomplete, &throttle_request)
                 .await;

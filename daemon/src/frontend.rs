@@ -21,7 +21,7 @@ use tokio::io::unix::AsyncFd;
 use crate::admin::{self};
 use crate::disk_log;
 use crate::paths::{pid_tmp, DiskPaths};
-use crate::state::{DiskSpec, MigrationStorage, RunAsSpec};
+use crate::state::{DiskSpec, MigrationStorage, RemoteSource, RunAsSpec};
 use crate::throttle;
 use blkplane_procfs as proc;
 
@@ -253,10 +253,7 @@ pub fn frontend_args(
         args.push("--read-only".into());
     }
     // A destination of a copy from another node serves nothing before its image is complete.
-    let incomplete = spec
-        .incoming_from
-        .as_ref()
-        .is_some_and(|from| from.image_incomplete);
+    let incomplete = RemoteSource::awaits_image(spec.incoming_from.as_ref());
     if drained || incomplete {
         args.push("--drained".into());
     }

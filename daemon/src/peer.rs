@@ -11,6 +11,10 @@ use tonic::transport::Channel;
 
 use crate::pb::control_client::ControlClient;
 
+/// How often a connection between two blkplaned is pinged (both ways), so that a node that
+/// went away is found within this and [`PEER_TIMEOUT`].
+pub const PEER_KEEPALIVE: Duration = Duration::from_secs(5);
+
 /// How long connecting to another node's blkplaned, and each call to it, may take.
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the handshake that tells a TLS refusal from a dropped connection may take.
@@ -158,7 +162,7 @@ impl Peers {
             .tls_endpoint(&tls.ca, &tls.cert, &tls.key)
             .map_err(|e| PeerError::Tls(chain(&e)))?
             .connect_timeout(PEER_TIMEOUT)
-            .http2_keep_alive_interval(Duration::from_secs(5))
+            .http2_keep_alive_interval(PEER_KEEPALIVE)
             .keep_alive_timeout(PEER_TIMEOUT)
             .keep_alive_while_idle(true);
         let configured = match call_timeout {

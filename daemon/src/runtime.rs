@@ -44,11 +44,7 @@ impl Runtime {
     /// Whether the frontend should be drained: the operator drained the disk, or it is the
     /// destination of a copy from another node whose image is not complete yet.
     pub fn wants_drained(&self) -> bool {
-        self.lifecycle.drained
-            || self
-                .incoming_from
-                .as_ref()
-                .is_some_and(|from| from.image_incomplete)
+        self.lifecycle.drained || RemoteSource::awaits_image(self.incoming_from.as_ref())
     }
 }
 

@@ -23,6 +23,7 @@ use tonic_health::ServingStatus;
 use crate::daemon::Daemon;
 use crate::pb;
 use crate::pb::control_server::ControlServer;
+use crate::peer::PEER_KEEPALIVE;
 use crate::service::ControlService;
 
 /// Where the API listens.
@@ -294,6 +295,10 @@ pub async fn serve(
             let (stop_tx, stop_rx) = watch::channel(false);
             let server = Server::builder()
                 .tls_config(tls)?
+                // A client that went away mid-stream (another node's copy of a disk, which
+                // only sends) is found by its missing pings, not after hours of TCP.
+                .http2_keepalive_interval(Some(PEER_KEEPALIVE))
+                .http2_keepalive_timeout(Some(crate::peer::PEER_TIMEOUT))
                 .add_service(health_service)
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)

@@ -252,6 +252,12 @@ pub struct RemoteSource {
 }
 
 impl RemoteSource {
+    /// Whether a disk incoming from `from` waits for its image: the destination of a copy
+    /// from another node that is not complete. Such a disk's frontend serves nothing.
+    pub fn awaits_image(from: Option<&RemoteSource>) -> bool {
+        from.is_some_and(|f| f.image_incomplete)
+    }
+
     /// The API value.
     pub fn to_pb(&self) -> pb::IncomingFrom {
         pb::IncomingFrom {

@@ -363,8 +363,16 @@ impl DiskHandle {
                 self.spec.id
             ));
         }
-        *lock(&self.write_cap) = bytes_per_second;
-        self.push_throttle().await.map_err(|e| e.to_string())
+        let before = std::mem::replace(&mut *lock(&self.write_cap), bytes_per_second);
+        let pushed = self.push_throttle().await.map_err(|e| e.to_string());
+        if pushed.is_err() {
+            // Not left for the poll to push later: the copy that asked knows it failed. The
+            // frontend may have taken it all the same (an answer that came too late): what
+            // it has is unknown, so the poll sends the disk's limits again.
+            *lock(&self.write_cap) = before;
+            *lock(&self.throttle_pushed) = None;
+        }
+        pushed
     }
 
     /// Sends the disk's current I/O limits to its frontend unless it has them (a new

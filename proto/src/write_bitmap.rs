@@ -246,6 +246,13 @@ impl WriteBitmap {
         }
     }
 
+    /// Word `index` as it is now, without clearing it (0 if the bitmap has no such word): a
+    /// reader that skips clear words this way leaves their cache lines with the marking CPUs.
+    pub fn peek_word(&self, index: usize) -> u64 {
+        self.word(index)
+            .map_or(0, |cell| cell.load(Ordering::Acquire))
+    }
+
     /// Takes word `index`: returns its bits and clears them, in one atomic swap (0 if the
     /// bitmap has no such word). Block `index × 64 + i` was written if bit `i` is set.
     pub fn take_word(&self, index: usize) -> u64 {

@@ -18,7 +18,8 @@
 //!   converges, and the limit is lifted when the copy ends;
 //! - failures mid-copy, each leaving the source serving with its data: the destination's
 //!   blkplaned SIGKILLed (its disk comes back incomplete and drained; a new copy starts over
-//!   and completes), frozen (SIGSTOP: the copy gives up after the stall timeout), the source's
+//!   and completes; cancelled after that, before the destination's VMM ran the VM, the
+//!   destination is incomplete again), frozen (SIGSTOP: the copy gives up after the stall timeout), the source's
 //!   blkplaned SIGKILLed (the destination says its copy ended; after the restart a new copy
 //!   completes), the source's frontend SIGKILLed (its writes since would be unmarked: the copy
 //!   fails).
@@ -470,6 +471,22 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     b.daemon
         .wait_disk("d1", "complete", |j| j.get("state").str() == "ready");
     assert_same_image(&src_img, &dst_img);
+    // Cancelled on node A after it was complete, before d1's VMM ran the VM: node A can no
+    // longer say when s1 is written, so d1 is incomplete again.
+    let watch_b = Watcher::start(&b.daemon);
+    a.daemon.ctl_ok(&["disk", "migrate", "s1", "--cancel"]);
+    let reverted = watch_b.wait("migration_failed", "d1");
+    assert!(
+        reverted
+            .get("message")
+            .str()
+            .contains("after it was complete"),
+        "{reverted:?}"
+    );
+    b.daemon.wait_disk("d1", "incomplete again", |j| {
+        j.get("state").str() == "drained"
+    });
+    drop(watch_b);
 
     // The destination's blkplaned freezes: the copy gives up after its stall timeout.
     let src_img = create_image(&images_a.join("s2.img"), CAPACITY);

@@ -2,6 +2,7 @@
 //! (local storage). The job itself is [`crate::mirror::source`]; here it is started, found,
 //! stopped and reported.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use blkplane_api::endpoint::HostPort;
@@ -11,7 +12,7 @@ use log::{info, warn};
 use tokio::sync::watch;
 
 use crate::admin;
-use crate::mirror::source::{self, CopyError, CopyRequest, Progress, SourceDisk};
+use crate::mirror::source::{self, CopyError, CopyRequest, Marks, Progress, SourceDisk};
 use crate::pb::{self, EventKind, MigrationCopyPhase, StartMigrationRequest};
 use crate::state::MigrationStorage;
 use crate::supervisor::DiskHandle;
@@ -25,21 +26,27 @@ use super::{Daemon, DaemonError};
 pub struct CopyJob {
     /// Its progress.
     pub progress: Progress,
+    /// Its write bitmap, once it has one.
+    marks: Marks,
     /// Set to stop it.
     stop: watch::Sender<bool>,
+    /// Set once it ended and undid what it did to the disk (tracking, a write limit).
+    finished: Arc<AtomicBool>,
 }
 
 impl CopyJob {
-    /// Whether it has not ended (a failed or stopped job stays, for its progress, until the
-    /// next StartMigration or the disk's removal).
+    /// Whether it has not ended (an ended job stays, for its progress, until the next
+    /// StartMigration or the disk's removal).
     fn running(&self) -> bool {
-        let phase = lock(&self.progress).phase;
-        phase != MigrationCopyPhase::Failed as i32 && !*self.stop.borrow()
+        !self.finished.load(Ordering::Acquire)
     }
 
-    /// Whether the copy is complete (the destination has the whole image and serves).
+    /// Whether the copy is complete (the destination has the whole image and serves) and
+    /// nothing was written on the source since (a write not yet noticed by the job, which
+    /// looks every 20 ms, shows as a mark).
     pub fn complete(&self) -> bool {
         lock(&self.progress).phase == MigrationCopyPhase::Complete as i32
+            && self.marks.get().is_none_or(|bitmap| bitmap.count() == 0)
     }
 }
 
@@ -142,6 +149,8 @@ impl Daemon {
             ..pb::MigrationCopy::default()
         }));
         let (stop, stop_rx) = watch::channel(false);
+        let marks = Marks::default();
+        let finished = Arc::new(AtomicBool::new(false));
         let copy = CopyRequest {
             id: id.clone(),
             image: disk.spec.image.clone(),
@@ -154,7 +163,9 @@ impl Daemon {
             id.clone(),
             CopyJob {
                 progress: Arc::clone(&progress),
+                marks: Arc::clone(&marks),
                 stop,
+                finished: Arc::clone(&finished),
             },
         );
         let pid = disk.runtime().pid;
@@ -180,10 +191,12 @@ impl Daemon {
                 &daemon.peers,
                 &daemon.events,
                 &progress,
+                &marks,
                 stop_rx,
             )
             .await;
             daemon.copy_ended(&copy.id, &progress, result);
+            finished.store(true, Ordering::Release);
         });
         Ok(self.disk_info(&disk, false).await)
     }
@@ -204,6 +217,25 @@ impl Daemon {
                     p.failure = e.to_string();
                 }
                 self.events.emit(EventKind::MigrationFailed, id, 0, message);
+            }
+        }
+    }
+
+    /// Stops the write tracking of every frontend that marks writes for no copy of this
+    /// blkplaned: a copy an earlier blkplaned ran when it died (the frontend outlived it).
+    /// Left on, it would keep marking for nobody and refuse resizing.
+    pub(super) async fn stop_stray_tracking(&self) {
+        for disk in self.disks() {
+            let id = &disk.spec.id;
+            let tracking = disk.runtime().status.is_some_and(|s| s.tracking_writes);
+            if !tracking || lock(&self.copies).contains_key(id) {
+                continue;
+            }
+            match admin::track_writes(&disk.paths.admin_socket, None).await {
+                Ok(()) => info!(
+                    "disk {id}: stopped the write tracking of a copy an earlier blkplaned ran"
+                ),
+                Err(e) => warn!("disk {id}: stopping a stray write tracking: {e}"),
             }
         }
     }

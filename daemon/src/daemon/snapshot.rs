@@ -30,10 +30,18 @@ use super::{frontend_error, Daemon, DaemonError};
 impl Daemon {
     /// Snapshot: see the module and control.proto.
     pub async fn snapshot(&self, id: &str, overlay: &str) -> Result<pb::Disk, DaemonError> {
-        // AddDisk and RemoveDisk wait: the table entry is replaced below.
-        let ops = self.ops.lock().await;
+        // The disk's lifecycle first, then the table, as Drain, Resume and a copy's
+        // switch-over take them. AddDisk and RemoveDisk wait: the table entry is replaced
+        // below.
         let disk = self.get_handle(id)?;
         let op = disk.lifecycle_op.lock().await;
+        let ops = self.ops.lock().await;
+        if !lock(&self.disks)
+            .get(id)
+            .is_some_and(|d| Arc::ptr_eq(d, &disk))
+        {
+            return Err(DaemonError::NotFound(id.to_string()));
+        }
         let overlay = validate::disk::check_overlay(overlay, &self.ctx.image_dirs)?;
         self.running(&disk)?;
         if let Some((origin, destination)) = self.migration_of(&disk) {

@@ -299,11 +299,14 @@ pub(super) async fn persist_restarts(daemon: Weak<Daemon>, mut events: Receiver<
 }
 
 /// Latches [`Daemon::startup_done`] once it holds (checked every 20 ms, as `settle` does).
+/// Then stops the write tracking a copy of an earlier blkplaned left on in an adopted
+/// frontend.
 pub(super) async fn watch_startup(daemon: Weak<Daemon>) {
     loop {
         match daemon.upgrade() {
             Some(d) if !d.startup_done() => {}
-            _ => return,
+            Some(d) => return d.stop_stray_tracking().await,
+            None => return,
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

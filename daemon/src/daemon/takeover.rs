@@ -12,6 +12,7 @@ use crate::admin;
 use crate::migration;
 use crate::pb::EventKind;
 use crate::runtime::serving;
+use crate::state::RemoteSource;
 use crate::supervisor::{DiskHandle, TakeoverWait};
 use crate::sync::lock;
 
@@ -90,11 +91,7 @@ impl Daemon {
         }
         // A copy from another node not complete yet: the frontend serves nothing, the VM
         // does not run here.
-        if rt
-            .incoming_from
-            .as_ref()
-            .is_some_and(|f| f.image_incomplete)
-        {
+        if RemoteSource::awaits_image(rt.incoming_from.as_ref()) {
             return Ok(());
         }
         let Some(source_id) = rt.incoming_for.clone() else {

@@ -23,8 +23,14 @@ const FIRST_THROTTLE_PERCENT: u64 = 50;
 /// The lowest write limit auto-converge applies, bytes/s: the guest keeps making progress.
 pub const MIN_THROTTLE: u64 = 1 << 20;
 
-/// Passes that must fail to converge before auto-converge starts limiting the guest.
+/// Consecutive passes in which the guest dirtied at least [`STALLING_PERCENT`] of the copy's
+/// rate before auto-converge limits the guest (or limits it further).
 const PASSES_BEFORE_THROTTLE: u32 = 3;
+
+/// A guest that dirties at least this share of the copy's rate stalls the copy: each pass
+/// leaves at least three quarters of what it started with (a guest below it still converges,
+/// geometrically: the passes together take at most four times the first).
+const STALLING_PERCENT: u64 = 75;
 
 /// A token bucket for the bandwidth limit: how long to wait before sending more.
 #[derive(Debug, Clone)]
@@ -93,7 +99,8 @@ pub struct Convergence {
     bandwidth: u64,
     /// The send rate measured last (0 before any pass).
     measured: u64,
-    passes_not_converged: u32,
+    /// Consecutive passes that stalled (see [`STALLING_PERCENT`]).
+    stalled_passes: u32,
     /// The write limit applied now (0: none).
     throttle: u64,
 }
@@ -115,7 +122,7 @@ impl Convergence {
         Convergence {
             bandwidth,
             measured: 0,
-            passes_not_converged: 0,
+            stalled_passes: 0,
             throttle: 0,
         }
     }
@@ -171,13 +178,17 @@ impl Convergence {
             self.measured = report.send_rate;
         }
         if self.is_converged(report.remaining) {
-            self.passes_not_converged = 0;
+            self.stalled_passes = 0;
             return Decision::Converged;
         }
-        self.passes_not_converged = self.passes_not_converged.saturating_add(1);
-        // Converging on its own: the guest writes slower than the copy sends.
-        let converging = report.dirty_rate.saturating_mul(2) < self.rate();
-        if self.passes_not_converged < PASSES_BEFORE_THROTTLE || converging {
+        let stalling = u128::from(report.dirty_rate) * 100
+            >= u128::from(self.rate()) * u128::from(STALLING_PERCENT);
+        if !stalling {
+            self.stalled_passes = 0;
+            return Decision::Continue;
+        }
+        self.stalled_passes = self.stalled_passes.saturating_add(1);
+        if self.stalled_passes < PASSES_BEFORE_THROTTLE {
             return Decision::Continue;
         }
         let next = if self.throttle == 0 {
@@ -190,7 +201,7 @@ impl Convergence {
             return Decision::Continue;
         }
         self.throttle = next;
-        self.passes_not_converged = 0;
+        self.stalled_passes = 0;
         Decision::Throttle(next)
     }
 }
@@ -235,16 +246,26 @@ mod tests {
             Decision::Throttle(10 * MIB)
         );
         assert_eq!(c.throttle(), 10 * MIB);
-        for _ in 0..2 {
+        // Dirtying half the copy's rate converges on its own: no further step.
+        for _ in 0..10 {
             assert_eq!(c.after_pass(&pass(40 * MIB, 10 * MIB)), Decision::Continue);
         }
+        // Still dirtying three quarters of it (small writes dirty whole blocks): halved after
+        // three such passes in a row; one pass below it starts the count again.
+        for _ in 0..2 {
+            assert_eq!(c.after_pass(&pass(40 * MIB, 16 * MIB)), Decision::Continue);
+        }
+        assert_eq!(c.after_pass(&pass(40 * MIB, 10 * MIB)), Decision::Continue);
+        for _ in 0..2 {
+            assert_eq!(c.after_pass(&pass(40 * MIB, 16 * MIB)), Decision::Continue);
+        }
         assert_eq!(
-            c.after_pass(&pass(40 * MIB, 10 * MIB)),
+            c.after_pass(&pass(40 * MIB, 16 * MIB)),
             Decision::Throttle(5 * MIB)
         );
         // Never below the floor.
         for _ in 0..20 {
-            c.after_pass(&pass(40 * MIB, 10 * MIB));
+            c.after_pass(&pass(40 * MIB, 16 * MIB));
         }
         assert_eq!(c.throttle(), MIN_THROTTLE);
     }

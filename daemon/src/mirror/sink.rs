@@ -7,8 +7,9 @@ use thiserror::Error;
 use super::image::DestinationImage;
 use crate::pb::MigrationData;
 
-/// The largest `data` a message may carry.
-pub const MAX_DATA: usize = 4 << 20;
+/// The largest `data` a message may carry: twice what the source sends (a 1 MiB chunk), well
+/// within the gRPC server's 4 MiB message limit.
+pub const MAX_DATA: usize = 2 << 20;
 
 /// Why a message of the stream is refused (the stream ends with this error).
 #[derive(Debug, Error)]

@@ -88,10 +88,11 @@ pub enum CopyError {
     /// The frontend could not be asked, or refused.
     #[error("the source frontend: {0}")]
     Frontend(String),
-    /// The frontend was restarted (or stopped tracking): writes since are not marked.
+    /// The frontend was restarted, or stopped marking writes: writes since are not marked.
     #[error(
-        "the source frontend was restarted (pid {was} → {now}): writes since are not marked; \
-         start the migration again"
+        "the source frontend {}: writes since are not marked; start the migration again",
+        if .was == .now { format!("(pid {was}) stopped marking writes") }
+        else { format!("was restarted (pid {was} → {now})") }
     )]
     FrontendRestarted {
         /// The pid that tracked.
@@ -99,6 +100,9 @@ pub enum CopyError {
         /// The pid now.
         now: u32,
     },
+    /// The write bitmap could not be made (an absurd capacity, no memory).
+    #[error("the write bitmap: {0}")]
+    Bitmap(#[from] blkplane_proto::write_bitmap::WriteBitmapError),
     /// Reading the source image failed.
     #[error("reading {path}: {source}")]
     Read {
@@ -236,6 +240,15 @@ struct Job<'a, D: SourceDisk> {
     stop: watch::Receiver<bool>,
     /// The frontend that marks writes.
     pid: u32,
+    /// Auto-converge limited the disk's writes (lifted when the job ends).
+    limited: bool,
+    /// When the source last looked at the frontend's status.
+    checked: Instant,
+}
+
+/// Whether `status` is of the frontend `pid` and it marks writes.
+fn tracks(status: &FrontendStatus, pid: u32) -> bool {
+    status.pid == pid && status.tracking_writes
 }
 
 impl<D: SourceDisk> Job<'_, D> {
@@ -271,13 +284,11 @@ impl<D: SourceDisk> Job<'_, D> {
         let mut ranges = ranges.into_iter();
         let mut reads = tokio::task::JoinSet::new();
         let mut sent = 0u64;
-        let mut checked = Instant::now();
         loop {
             // A long pass (the bulk pass of a large disk) still notices a restarted frontend
             // soon: its writes are not marked.
-            if checked.elapsed() >= FRONTEND_CHECK {
+            if self.checked.elapsed() >= FRONTEND_CHECK {
                 self.tracked_status().await?;
-                checked = Instant::now();
             }
             while reads.len() < READS_IN_FLIGHT {
                 let Some(range) = ranges.next() else { break };
@@ -349,9 +360,15 @@ impl<D: SourceDisk> Job<'_, D> {
             .into_iter()
             .flat_map(move |e| chunks(e.offset, e.end(), capacity, CHUNK));
         let mut left = total;
+        let mut marked = 0;
+        let mut counted = Instant::now();
         self.send_ranges(ranges, true, |job, range| {
             left = left.saturating_sub(range.len);
-            let marked = job.marked_bytes();
+            // Counting looks at every word: not for every range of a large disk.
+            if counted.elapsed() >= FRONTEND_CHECK {
+                marked = job.marked_bytes();
+                counted = Instant::now();
+            }
             job.update(|p| p.remaining_bytes = left.saturating_add(marked));
         })
         .await?;
@@ -362,6 +379,11 @@ impl<D: SourceDisk> Job<'_, D> {
     async fn dirty_pass(&mut self) -> Result<u64, CopyError> {
         let mut ranges = Vec::new();
         for index in 0..self.bitmap.words() {
+            // Looked at before it is taken: a swap of a clear word would still take its cache
+            // line from the frontend's CPU.
+            if self.bitmap.peek_word(index) == 0 {
+                continue;
+            }
             let word = self.bitmap.take_word(index);
             if word != 0 {
                 runs_of_word(
@@ -382,9 +404,10 @@ impl<D: SourceDisk> Job<'_, D> {
     }
 
     /// The frontend's status, refusing one that no longer tracks writes.
-    async fn tracked_status(&self) -> Result<FrontendStatus, CopyError> {
+    async fn tracked_status(&mut self) -> Result<FrontendStatus, CopyError> {
         let status = self.disk.status().await.map_err(CopyError::Frontend)?;
-        if status.pid != self.pid || !status.tracking_writes {
+        self.checked = Instant::now();
+        if !tracks(&status, self.pid) {
             return Err(CopyError::FrontendRestarted {
                 was: self.pid,
                 now: status.pid,
@@ -452,20 +475,31 @@ impl<D: SourceDisk> Job<'_, D> {
                 }
                 Decision::Continue => {}
                 Decision::Throttle(limit) => {
-                    self.disk
-                        .limit_writes(limit)
-                        .await
-                        .map_err(CopyError::Frontend)?;
-                    self.update(|p| p.throttle_write_bytes_per_second = limit);
+                    // Marked before the call: a limit the frontend took before the call
+                    // failed is still lifted at the end.
+                    self.limited = true;
+                    let message = match self.disk.limit_writes(limit).await {
+                        Ok(()) => {
+                            self.update(|p| p.throttle_write_bytes_per_second = limit);
+                            format!(
+                                "the guest dirties {} bytes/s, too fast for the copy to \
+                                 converge: its writes are limited to {limit} bytes/s",
+                                report.dirty_rate
+                            )
+                        }
+                        // A disk in a throttle group, or a frontend that does not answer:
+                        // the copy goes on without the limit.
+                        Err(e) => format!(
+                            "the guest dirties {} bytes/s, too fast for the copy to converge, \
+                             but its writes cannot be limited: {e}",
+                            report.dirty_rate
+                        ),
+                    };
                     self.events.emit(
                         EventKind::MigrationAutoConverge,
                         &self.req.id,
                         self.pid,
-                        format!(
-                            "the guest writes {} bytes/s, faster than the copy converges: its \
-                             writes are limited to {limit} bytes/s",
-                            report.dirty_rate
-                        ),
+                        message,
                     );
                 }
             }
@@ -519,8 +553,13 @@ impl<D: SourceDisk> Job<'_, D> {
         Ok(())
     }
 
-    /// After the switch-over: waits until the job is stopped (`false`) or the source serves
-    /// again (`true`: the destination was told, and stopped serving).
+    /// After the switch-over: waits until the job is stopped (`Ok(false)`) or the source
+    /// wrote again — a ring runs, or a block was marked since the last pass (a ring that ran
+    /// and stopped between two looks) — or its frontend was restarted (it marks nothing, so
+    /// whether it wrote is unknown). Then the destination is told it is `reopened`: it stops
+    /// serving and the copy goes on (`Ok(true)`), or, after a restart, fails. A destination
+    /// whose VMM runs the VM already answers that it serves on: the VM runs there, the
+    /// source is about to be retired, and the job ends with the copy complete (`Ok(false)`).
     async fn wait_while_complete(&mut self) -> Result<bool, CopyError> {
         loop {
             let mut stop = self.stop.clone();
@@ -536,15 +575,11 @@ impl<D: SourceDisk> Job<'_, D> {
                 // Retired meanwhile (its frontend stopped), or restarting: looked at again.
                 Err(_) => continue,
             };
-            let restarted = status.pid != self.pid || !status.tracking_writes;
-            if !migration::serves_running_ring(&status) && !restarted {
+            let restarted = !tracks(&status, self.pid);
+            let wrote = migration::serves_running_ring(&status) || self.bitmap.count() != 0;
+            if !restarted && !wrote {
                 continue;
             }
-            warn!(
-                "disk {}: serves again after its copy to {} was complete; the destination \
-                 stops serving",
-                self.req.id, self.req.endpoint
-            );
             self.stream
                 .send(
                     MigrationData {
@@ -554,7 +589,31 @@ impl<D: SourceDisk> Job<'_, D> {
                     0,
                 )
                 .await?;
-            self.stream.ack().await?;
+            let ack = self.stream.ack().await?;
+            if ack.serving {
+                warn!(
+                    "disk {}: {} after its copy to {} was complete, but the VM runs there \
+                     already: not copied",
+                    self.req.id,
+                    if restarted {
+                        "its frontend was restarted"
+                    } else {
+                        "it was written"
+                    },
+                    self.req.endpoint
+                );
+                return Ok(false);
+            }
+            warn!(
+                "disk {}: {} after its copy to {} was complete; the destination stopped serving",
+                self.req.id,
+                if restarted {
+                    "its frontend was restarted"
+                } else {
+                    "it served again"
+                },
+                self.req.endpoint
+            );
             if restarted {
                 return Err(CopyError::FrontendRestarted {
                     was: self.pid,
@@ -567,29 +626,33 @@ impl<D: SourceDisk> Job<'_, D> {
     }
 }
 
+/// The write bitmap of a running copy, for the retirement's check that nothing was written
+/// since the copy completed (set once the copy has one).
+pub type Marks = Arc<std::sync::OnceLock<Arc<WriteBitmap>>>;
+
 /// Runs a copy to its end: `Ok` once it was complete and the job was stopped (the source
 /// retired), an error otherwise. Tracking and any auto-converge limit are undone whatever the
-/// outcome.
+/// outcome, also when starting them failed halfway.
 pub async fn run<D: SourceDisk>(
     disk: &D,
     req: &CopyRequest,
     peers: &Peers,
     events: &EventBus,
     progress: &Progress,
+    marks: &Marks,
     stop: watch::Receiver<bool>,
 ) -> Result<(), CopyError> {
     let status = disk.status().await.map_err(CopyError::Frontend)?;
-    let bitmap = WriteBitmap::create(req.capacity, granularity(req.capacity))
-        .map_err(|e| CopyError::Frontend(format!("the write bitmap: {e}")))?;
-    let bitmap = Arc::new(bitmap);
+    let bitmap = Arc::new(WriteBitmap::create(
+        req.capacity,
+        granularity(req.capacity),
+    )?);
     let image = SourceImage::open(&req.image, req.capacity).map_err(|source| CopyError::Read {
         path: req.image.display().to_string(),
         source,
     })?;
     let stream = Stream::open(peers, req).await?;
-    disk.track_writes(Some(&bitmap))
-        .await
-        .map_err(CopyError::Frontend)?;
+    let _ = marks.set(Arc::clone(&bitmap));
     let mut job = Job {
         disk,
         req,
@@ -600,6 +663,8 @@ pub async fn run<D: SourceDisk>(
         events: events.clone(),
         stop,
         pid: status.pid,
+        limited: false,
+        checked: Instant::now(),
     };
     info!(
         "disk {}: copying to disk {} on {} ({} reads{})",
@@ -618,6 +683,9 @@ pub async fn run<D: SourceDisk>(
         }
     );
     let result = async {
+        disk.track_writes(Some(&job.bitmap))
+            .await
+            .map_err(CopyError::Frontend)?;
         job.bulk().await?;
         job.phase(MigrationCopyPhase::Dirty);
         job.follow().await
@@ -626,13 +694,7 @@ pub async fn run<D: SourceDisk>(
     if let Err(e) = disk.track_writes(None).await {
         warn!("disk {}: stopping the write tracking: {e}", req.id);
     }
-    if job
-        .progress
-        .lock()
-        .map(|p| p.throttle_write_bytes_per_second)
-        .unwrap_or(0)
-        != 0
-    {
+    if job.limited {
         match disk.limit_writes(0).await {
             Ok(()) => {
                 job.update(|p| p.throttle_write_bytes_per_second = 0);

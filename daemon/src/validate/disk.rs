@@ -232,42 +232,54 @@ fn chain_error(e: ChainError) -> ValidationError {
     }
 }
 
-/// Checks a Snapshot's `overlay`: absolute, no `..`, not a directory name, in an existing
-/// directory that is inside one of the allowed image directories (if any are configured),
-/// and nothing there yet. Returns the path.
+/// Checks a Snapshot's `overlay` as [`check_new_image`] does.
 pub fn check_overlay(overlay: &str, image_dirs: &[PathBuf]) -> Result<PathBuf, ValidationError> {
-    const F: &str = "overlay";
-    if overlay.is_empty() {
-        return Err(invalid(F, "must not be empty"));
+    check_new_image("overlay", overlay, image_dirs)
+}
+
+/// Checks `field`, `path_text`, the path of an image blkplaned is to create (a Snapshot's overlay, the
+/// new image of a copy from another node): absolute, no `..`, not a directory name, in an
+/// existing directory that is inside one of the allowed image directories (if any are
+/// configured), and nothing there yet. Returns the path.
+pub fn check_new_image(
+    field: &'static str,
+    path_text: &str,
+    image_dirs: &[PathBuf],
+) -> Result<PathBuf, ValidationError> {
+    if path_text.is_empty() {
+        return Err(invalid(field, "must not be empty"));
     }
-    let path = Path::new(overlay);
+    let path = Path::new(path_text);
     if !path.is_absolute() {
-        return Err(invalid(F, format!("{overlay:?} is not an absolute path")));
-    }
-    if has_parent_component(path) || overlay.ends_with('/') {
         return Err(invalid(
-            F,
-            format!("{overlay:?} has a '..' component or names a directory"),
+            field,
+            format!("{path_text:?} is not an absolute path"),
+        ));
+    }
+    if has_parent_component(path) || path_text.ends_with('/') {
+        return Err(invalid(
+            field,
+            format!("{path_text:?} has a '..' component or names a directory"),
         ));
     }
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(invalid(F, format!("{overlay:?} names no file")));
+        return Err(invalid(field, format!("{path_text:?} names no file")));
     };
     let real_dir = std::fs::canonicalize(dir)
-        .map_err(|e| invalid(F, format!("the directory of {overlay}: {e}")))?;
+        .map_err(|e| invalid(field, format!("the directory of {path_text}: {e}")))?;
     if !chain::inside(&real_dir, image_dirs) {
         return Err(invalid(
-            F,
+            field,
             format!(
-                "{overlay} is outside the allowed image directories ({})",
+                "{path_text} is outside the allowed image directories ({})",
                 chain::describe_dirs(image_dirs)
             ),
         ));
     }
     if std::fs::symlink_metadata(path).is_ok() {
         return Err(ValidationError::AlreadyExists {
-            field: F,
-            reason: format!("{overlay} exists"),
+            field,
+            reason: format!("{path_text} exists"),
         });
     }
     Ok(real_dir.join(name))
