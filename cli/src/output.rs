@@ -906,6 +906,50 @@ mod tests {
     }
 
     #[test]
+    fn a_copys_progress_in_one_line() {
+        let mib = 1 << 20;
+        let copy = MigrationCopy {
+            destination: "disk d on n:7070".into(),
+            phase: MigrationCopyPhase::Dirty as i32,
+            bytes_sent: 30 * mib,
+            remaining_bytes: 10 * mib,
+            dirty_bytes_per_second: 2 * mib,
+            bandwidth_bytes_per_second: 20 * mib,
+            passes: 3,
+            throttle_write_bytes_per_second: 5 * mib,
+            eta_ms: 1500,
+            ..MigrationCopy::default()
+        };
+        assert_eq!(
+            copy_line(&copy),
+            "dirty     [###############.....] sent 30.0 MiB, remaining 10.0 MiB, dirty \
+             2.0 MiB/s, pass 3, limit 20.0 MiB/s, guest writes throttled to 5.0 MiB/s, \
+             converges in ~1.5 s"
+        );
+        let done = MigrationCopy {
+            phase: MigrationCopyPhase::Complete as i32,
+            remaining_bytes: 0,
+            throttle_write_bytes_per_second: 0,
+            bandwidth_bytes_per_second: 0,
+            switch_over_us: 4250,
+            ..copy.clone()
+        };
+        assert!(
+            copy_line(&done).ends_with("switch-over 4.2 ms"),
+            "{}",
+            copy_line(&done)
+        );
+        assert!(copy_line(&done).contains("[####################]"));
+        let failed = MigrationCopy {
+            phase: MigrationCopyPhase::Failed as i32,
+            failure: "cancelled".into(),
+            ..done
+        };
+        assert!(copy_line(&failed).ends_with(": cancelled"));
+        assert_eq!(copy_json(&failed)["phase"], "failed");
+    }
+
+    #[test]
     fn tables_and_json() {
         let d = Disk {
             config: Some(DiskConfig {

@@ -545,14 +545,45 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     fill(&src_img, 256, 400);
     let (s4, vmm) = serve(&a, "s4", &src_img, 1);
     add_destination(&b, "d4", &a, "s4", &images_b.join("d4.img"));
-    migrate(&a, "s4", &b, "d4", "2M");
+    // Watched the way an operator would: a progress line a second until it fails.
+    let watching = a
+        .daemon
+        .ctl_command()
+        .args([
+            "disk",
+            "migrate",
+            "s4",
+            "--to",
+            &format!("{}/d4", b.endpoint),
+            "--bandwidth",
+            "2M",
+            "--watch",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     wait_copying(&a, "s4");
+    std::thread::sleep(Duration::from_millis(1500));
     kill(s4.get("frontend_pid").u64() as u32, libc::SIGKILL);
     let failed = watch_a.wait("migration_failed", "s4");
     assert!(
         failed.get("message").str().contains("restarted"),
         "{failed:?}"
     );
+    let watched = watching.wait_with_output().unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&watched.stdout),
+        String::from_utf8_lossy(&watched.stderr),
+    );
+    assert_eq!(watched.status.code(), Some(1), "{out}{err}");
+    assert!(out.lines().count() >= 2, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("bulk") && l.contains("limit 2.0 MiB/s")),
+        "{out}"
+    );
+    assert!(err.contains("the copy of disk s4 failed"), "{err}");
     drop(vmm);
     assert_eq!(b.daemon.disk("d4").get("state").str(), "drained");
 }
