@@ -29,6 +29,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use blkplane_tests::daemon::*;
+use blkplane_tests::guest::read_lossy;
 use blkplane_tests::raw::RawDevice;
 use blkplane_tests::tls::{free_port, make_test_certs, node_options};
 use blkplane_tests::*;
@@ -532,6 +533,16 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     );
     still_serves(&mut vmm, 2, 10, "s3 while its blkplaned is down");
     a.daemon.spawn();
+    // The restarted blkplaned stops the tracking the dead one's copy left on.
+    let s3_log = a.daemon.disks_dir().join("s3.log");
+    assert!(
+        wait_for(TIMEOUT, || read_lossy(&s3_log)
+            .contains("no longer tracking")
+            .then_some(()))
+        .is_some(),
+        "the leftover tracking was not stopped:\n{}",
+        read_lossy(&s3_log)
+    );
     let watch_a = Watcher::start(&a.daemon);
     migrate(&a, "s3", &b, "d3", "0");
     still_serves(&mut vmm, 4, 11, "s3 during the second copy");
