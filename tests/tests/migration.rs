@@ -25,8 +25,9 @@
 //! them, one image both reach): the destination disk is `--incoming-from` node A, the QEMUs
 //! run in their nodes and migrate over TCP, and node A retires `src` when node B asks.
 //! `live_migration_across_nodes_with_local_storage` does it with node A's own image: node B's
-//! disk gets a new image, node A copies the disk there while fio writes (`disk migrate --to`),
-//! QEMU migrates once the copy has converged, the source QEMU's switch-over sends the rest,
+//! disk gets a new image, node A copies the disk there while fio writes (`disk migrate --to`)
+//! — after a first copy that fails because node B's blkplaned freezes mid-copy, the VM
+//! running on — QEMU migrates once the copy has converged, the source QEMU's switch-over sends the rest,
 //! and the guest verifies every block on node B's copy.
 //!
 //! Needs what `tests/setup.sh` installs (QEMU 10.0, the guest's packages, iproute2), and root.
@@ -374,6 +375,56 @@ impl Host<'_> {
         Ok(())
     }
 
+    /// A copy that fails while the guest writes: node B's blkplaned freezes (SIGSTOP, as a
+    /// cut network looks to node A) mid-copy; node A gives up, the VM runs on with its disk,
+    /// and node B, thawed, reports its copy ended incomplete (its disk stays drained for the
+    /// next copy). The guest's fio rounds verify across it.
+    fn copy_to_a_frozen_node(
+        &self,
+        src: &mut Vm,
+        src_daemon: &Daemon,
+        dst_daemon: &Daemon,
+    ) -> Result<(), String> {
+        src_daemon.ctl_ok(&[
+            "disk",
+            "migrate",
+            "src",
+            "--to",
+            &format!("{}:{API_PORT}/dst", ADDRESSES[1]),
+            "--bandwidth",
+            "1M",
+        ]);
+        let copying = |phase: &str| {
+            let copy = src_daemon.disk("src").get("migration_copy").clone();
+            (copy.get("phase").str() == phase && copy.get("bytes_sent").u64() > 0).then_some(copy)
+        };
+        wait_for(CONTROL_TIMEOUT, || copying("bulk")).ok_or("the copy sent nothing")?;
+        let frozen = Instant::now();
+        blkplane_tests::daemon::kill(dst_daemon.pid(), libc::SIGSTOP);
+        let failed = wait_for(MIGRATION_TIMEOUT, || copying("failed"));
+        blkplane_tests::daemon::kill(dst_daemon.pid(), libc::SIGCONT);
+        let failed = failed.ok_or("the copy to a frozen node never failed")?;
+        let gave_up = frozen.elapsed();
+        let ended = wait_for(CONTROL_TIMEOUT, || {
+            dst_daemon
+                .log_text()
+                .contains("ended before the image was complete")
+                .then_some(())
+        });
+        if ended.is_none() {
+            return Err("node B never said its copy ended".into());
+        }
+        let run_state = src.qmp.status()?;
+        if run_state != "running" {
+            return Err(format!("the VM is {run_state:?} after the failed copy"));
+        }
+        progress(&format!(
+            "node B frozen mid-copy: node A gave up after {gave_up:.1?} ({}); the VM runs on",
+            failed.get("failure").str()
+        ));
+        Ok(())
+    }
+
     fn migrate(&mut self, src: &mut Vm) -> Result<(Vm, String), String> {
         // The blocker of the previous phase is gone once blkplaned says so.
         let wait_migratable = Instant::now() + CONTROL_TIMEOUT;
@@ -397,9 +448,10 @@ impl Host<'_> {
         let dst = dst_daemon.ctl_json(&add);
         // A local disk: node A copies it to node B's new image while the guest writes, and
         // the VM migrates once the copy has converged.
-        let copy_started = Instant::now();
         let mut converged_after = None;
         if self.sides.local().is_some() {
+            self.copy_to_a_frozen_node(src, src_daemon, dst_daemon)?;
+            let copy_started = Instant::now();
             src_daemon.ctl_ok(&[
                 "disk",
                 "migrate",

@@ -419,10 +419,12 @@ fn fill(image: &Path, chunks: u64, seed: u64) {
     }
 }
 
-/// Waits until `src`'s copy on `a` has sent something.
+/// Waits until `src`'s copy on `a` has sent something (the copy may not have started yet:
+/// `disk migrate --watch` runs beside the test).
 fn wait_copying(a: &Node, src: &str) {
     a.daemon.wait_disk(src, "copying", |j| {
-        j.get("migration_copy").get("bytes_sent").u64() > 0
+        let copy = j.get("migration_copy");
+        copy != &Json::Null && copy.get("bytes_sent").u64() > 0
     });
 }
 
