@@ -1108,8 +1108,14 @@ mod tests {
 
     /// The iothread completes every published slot.
     fn complete_all(f: &mut Fixture, iothread: &mut Consumer<u32>) {
+        let slots: Vec<u32> = submitted(f, iothread).into_iter().map(|(s, _)| s).collect();
+        complete(f, &slots);
+    }
+
+    /// The iothread completes `slots`; the core reads the completions.
+    fn complete(f: &mut Fixture, slots: &[u32]) {
         let mut completions = f.ring.completion_producer();
-        for (slot, _) in submitted(f, iothread) {
+        for &slot in slots {
             completions
                 .push(Completion {
                     slot,
@@ -1393,16 +1399,7 @@ mod tests {
         // The copy takes the bits (and reads the blocks) while the write is in flight.
         assert_eq!(take_all(&bitmap), [0b1100, 0, 0, 0]);
         // Its completion marks them again, so that they are copied once more.
-        let mut completions = f.ring.completion_producer();
-        completions
-            .push(Completion {
-                slot: slots[0].0,
-                status: VIRTIO_BLK_S_OK,
-                completed_ns: 1,
-            })
-            .unwrap();
-        completions.publish();
-        f.core.reap().unwrap();
+        complete(&mut f, &[slots[0].0]);
         assert_eq!(f.core.in_flight(), 0);
         assert_eq!(take_all(&bitmap), [0b1100, 0, 0, 0]);
     }
@@ -1444,18 +1441,7 @@ mod tests {
         );
         assert_eq!(take_all(&bitmap), [0b11 << 8, 0, 1, 1 << 63]);
         // Their completions mark the same blocks again, and nothing else.
-        let mut completions = f.ring.completion_producer();
-        for slot in [0, 3, 6, 9, 12] {
-            completions
-                .push(Completion {
-                    slot,
-                    status: VIRTIO_BLK_S_OK,
-                    completed_ns: 1,
-                })
-                .unwrap();
-        }
-        completions.publish();
-        f.core.reap().unwrap();
+        complete(&mut f, &[0, 3, 6, 9, 12]);
         assert_eq!(take_all(&bitmap), [0b11 << 8, 0, 1, 1 << 63]);
     }
 

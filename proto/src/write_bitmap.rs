@@ -25,7 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::shm::{is_sealed_against_shrinking, sealed_memfd, SharedMapping};
 
-/// Bytes of image per bit blkplaned uses: QEMU's mirror job's default granularity.
+/// QEMU's mirror job's default granularity, a common choice for tests and tools (blkplaned
+/// picks one by the disk's size, 4 KiB per bit up to 512 GiB).
 pub const DEFAULT_GRANULARITY: u64 = 64 * 1024;
 /// The smallest granularity: a page, the smallest block any disk has.
 pub const MIN_GRANULARITY: u64 = 4 * 1024;

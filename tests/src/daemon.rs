@@ -505,3 +505,27 @@ pub fn blocker_reasons(disk: &Json) -> Vec<String> {
         .map(|b| b.get("reason").str().to_string())
         .collect()
 }
+
+/// One "node" on this machine: a blkplaned serving its API on 127.0.0.1:PORT with the test
+/// certificates (`crate::tls::make_test_certs`), which blkplanectl reaches over TLS.
+pub struct Node {
+    /// Its blkplaned.
+    pub daemon: Daemon,
+    /// `127.0.0.1:PORT`, as another node names it.
+    pub endpoint: String,
+}
+
+impl Node {
+    /// Starts node `name` (its logs tagged `tag`) with the certificates in `certs`; `peers`
+    /// gives it the files to reach another node's blkplaned.
+    pub fn start(tag: &str, name: &str, certs: &Path, peers: bool) -> Node {
+        let endpoint = format!("127.0.0.1:{}", crate::tls::free_port());
+        let (args, reach) = crate::tls::node_options(certs, &endpoint, name, peers);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
+        Node {
+            daemon: Daemon::start_reached_by(&format!("{tag}-{name}"), &args, Some(&reach)),
+            endpoint,
+        }
+    }
+}

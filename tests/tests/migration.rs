@@ -272,6 +272,20 @@ impl Sides<'_> {
     }
 }
 
+/// Starts copying `src` on node A (`src_daemon`) to `dst` on node B at `bandwidth` (`0`: no
+/// limit).
+fn start_copy(src_daemon: &Daemon, bandwidth: &str) {
+    src_daemon.ctl_ok(&[
+        "disk",
+        "migrate",
+        "src",
+        "--to",
+        &format!("{}:{API_PORT}/dst", ADDRESSES[1]),
+        "--bandwidth",
+        bandwidth,
+    ]);
+}
+
 /// Everything the host does for the guest's `BLKPLANE-HOST` lines.
 struct Host<'a> {
     sides: &'a Sides<'a>,
@@ -385,15 +399,7 @@ impl Host<'_> {
         src_daemon: &Daemon,
         dst_daemon: &Daemon,
     ) -> Result<(), String> {
-        src_daemon.ctl_ok(&[
-            "disk",
-            "migrate",
-            "src",
-            "--to",
-            &format!("{}:{API_PORT}/dst", ADDRESSES[1]),
-            "--bandwidth",
-            "1M",
-        ]);
+        start_copy(src_daemon, "1M");
         let copying = |phase: &str| {
             let copy = src_daemon.disk("src").get("migration_copy").clone();
             (copy.get("phase").str() == phase && copy.get("bytes_sent").u64() > 0).then_some(copy)
@@ -452,13 +458,7 @@ impl Host<'_> {
         if self.sides.local().is_some() {
             self.copy_to_a_frozen_node(src, src_daemon, dst_daemon)?;
             let copy_started = Instant::now();
-            src_daemon.ctl_ok(&[
-                "disk",
-                "migrate",
-                "src",
-                "--to",
-                &format!("{}:{API_PORT}/dst", ADDRESSES[1]),
-            ]);
+            start_copy(src_daemon, "0");
             let deadline = Instant::now() + MIGRATION_TIMEOUT;
             loop {
                 let copy = src_daemon.disk("src").get("migration_copy").clone();

@@ -7,27 +7,15 @@
 //! `--bandwidth` (0: none):
 //! `FIG_BS=65536 FIG_BW=200M cargo test -p blkplane-tests --test migration_copy_figures --
 //! --ignored --nocapture`.
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use blkplane_tests::daemon::*;
 use blkplane_tests::raw::RawDevice;
-use blkplane_tests::tls::{free_port, make_test_certs, node_options};
+use blkplane_tests::tls::make_test_certs;
 use blkplane_tests::*;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 
 const GIB: u64 = 1 << 30;
-
-fn node(name: &str, certs: &Path) -> (Daemon, String) {
-    let endpoint = format!("127.0.0.1:{}", free_port());
-    let (args, reach) = node_options(certs, &endpoint, name, true);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
-    (
-        Daemon::start_reached_by(&format!("fig-{name}"), &args, Some(&reach)),
-        endpoint,
-    )
-}
 
 #[test]
 #[ignore = "prints figures: run it by hand (see the module documentation)"]
@@ -38,8 +26,14 @@ fn figures() {
         .unwrap_or(20);
     let certs = TempDir::new("fig-certs");
     make_test_certs(certs.path());
-    let (a, ae) = node("a", certs.path());
-    let (b, be) = node("b", certs.path());
+    let Node {
+        daemon: a,
+        endpoint: ae,
+    } = Node::start("fig", "a", certs.path(), true);
+    let Node {
+        daemon: b,
+        endpoint: be,
+    } = Node::start("fig", "b", certs.path(), true);
     let dir_a = TempDir::new("fig-a");
     let dir_b = TempDir::new("fig-b");
     let src = create_image(&dir_a.join("src.img"), GIB);

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use blkplane_tests::daemon::*;
 use blkplane_tests::guest::read_lossy;
 use blkplane_tests::raw::RawDevice;
-use blkplane_tests::tls::{free_port, make_test_certs, node_options};
+use blkplane_tests::tls::make_test_certs;
 use blkplane_tests::*;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
@@ -40,21 +40,9 @@ const MIB: u64 = 1 << 20;
 const CAPACITY: u64 = 64 * MIB;
 const CHUNK: usize = 64 * 1024;
 
-/// One "node": a blkplaned on 127.0.0.1:PORT.
-struct Node {
-    daemon: Daemon,
-    endpoint: String,
-}
-
+/// Starts node `name`, able to reach the other.
 fn node(name: &str, certs: &Path) -> Node {
-    let endpoint = format!("127.0.0.1:{}", free_port());
-    let (args, reach) = node_options(certs, &endpoint, name, true);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
-    Node {
-        daemon: Daemon::start_reached_by(&format!("ml-{name}"), &args, Some(&reach)),
-        endpoint,
-    }
+    Node::start("ml", name, certs, true)
 }
 
 /// Writes chunk `n` (64 KiB at `n` × 64 KiB) with the pattern of `seed` through `vmm`, on
@@ -303,25 +291,14 @@ fn a_local_disk_is_copied_to_another_node_while_its_vmm_writes() {
     );
 
     // Cancelled mid-copy: the source serves on, the partial image goes with its disk.
-    let src2_img = create_image(&images_a.join("src2.img"), CAPACITY);
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&src2_img)
-            .unwrap();
-        for n in 0..256u64 {
-            f.write_all_at(&pattern(7000 + n, CHUNK), n * CHUNK as u64)
-                .unwrap();
-        }
-    }
-    let (_, mut vmm2) = serve(&a, "src2", &src2_img, 1);
-    let dst2_img = images_b.join("dst2.img");
-    add_destination(&b, "dst2", &a, "src2", &dst2_img);
+    let (_, dst2_img, _, mut vmm2) = source_and_destination(
+        (&a, images_a.path(), "src2"),
+        (&b, images_b.path(), "dst2"),
+        256,
+        7000,
+    );
     migrate(&a, "src2", &b, "dst2", "2M");
-    a.daemon.wait_disk("src2", "copying", |j| {
-        j.get("migration_copy").get("bytes_sent").u64() > 0
-    });
+    wait_copying(&a, "src2");
     a.daemon.ctl_ok(&["disk", "migrate", "src2", "--cancel"]);
     let failed = watch_a.wait("migration_failed", "src2");
     assert!(
@@ -419,6 +396,23 @@ fn fill(image: &Path, chunks: u64, seed: u64) {
     }
 }
 
+/// Source `src` on `a` (an image in `images_a` with `chunks` chunks of data seeded `seed`, one
+/// queue, a VMM running its ring) and its destination `dst` on `b` (a new image in
+/// `images_b`); returns the two images, the source disk and its VMM.
+fn source_and_destination(
+    (a, images_a, src): (&Node, &Path, &str),
+    (b, images_b, dst): (&Node, &Path, &str),
+    chunks: u64,
+    seed: u64,
+) -> (std::path::PathBuf, std::path::PathBuf, Json, RawDevice) {
+    let src_img = create_image(&images_a.join(format!("{src}.img")), CAPACITY);
+    fill(&src_img, chunks, seed);
+    let (disk, vmm) = serve(a, src, &src_img, 1);
+    let dst_img = images_b.join(format!("{dst}.img"));
+    add_destination(b, dst, a, src, &dst_img);
+    (src_img, dst_img, disk, vmm)
+}
+
 /// Waits until `src`'s copy on `a` has sent something (the copy may not have started yet:
 /// `disk migrate --watch` runs beside the test).
 fn wait_copying(a: &Node, src: &str) {
@@ -449,11 +443,12 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
 
     // The destination's blkplaned is killed mid-copy: the source serves on; the destination
     // comes back incomplete and drained; a new copy starts over and completes.
-    let src_img = create_image(&images_a.join("s1.img"), CAPACITY);
-    fill(&src_img, 256, 100);
-    let (_, mut vmm) = serve(&a, "s1", &src_img, 1);
-    let dst_img = images_b.join("d1.img");
-    add_destination(&b, "d1", &a, "s1", &dst_img);
+    let (src_img, dst_img, _, mut vmm) = source_and_destination(
+        (&a, images_a.path(), "s1"),
+        (&b, images_b.path(), "d1"),
+        256,
+        100,
+    );
     migrate(&a, "s1", &b, "d1", "2M");
     wait_copying(&a, "s1");
     b.daemon.kill9();
@@ -492,10 +487,12 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     drop(watch_b);
 
     // The destination's blkplaned freezes: the copy gives up after its stall timeout.
-    let src_img = create_image(&images_a.join("s2.img"), CAPACITY);
-    fill(&src_img, 512, 200);
-    let (_, mut vmm) = serve(&a, "s2", &src_img, 1);
-    add_destination(&b, "d2", &a, "s2", &images_b.join("d2.img"));
+    let (_, _, _, mut vmm) = source_and_destination(
+        (&a, images_a.path(), "s2"),
+        (&b, images_b.path(), "d2"),
+        512,
+        200,
+    );
     migrate(&a, "s2", &b, "d2", "4M");
     wait_copying(&a, "s2");
     let frozen = Instant::now();
@@ -516,11 +513,12 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     // The source's blkplaned is killed mid-copy: its frontend serves on; the destination says
     // its copy ended; after the restart a new copy completes.
     let watch_b = Watcher::start(&b.daemon);
-    let src_img = create_image(&images_a.join("s3.img"), CAPACITY);
-    fill(&src_img, 256, 300);
-    let (_, mut vmm) = serve(&a, "s3", &src_img, 1);
-    let dst_img = images_b.join("d3.img");
-    add_destination(&b, "d3", &a, "s3", &dst_img);
+    let (src_img, dst_img, _, mut vmm) = source_and_destination(
+        (&a, images_a.path(), "s3"),
+        (&b, images_b.path(), "d3"),
+        256,
+        300,
+    );
     migrate(&a, "s3", &b, "d3", "2M");
     wait_copying(&a, "s3");
     drop(watch_a);
@@ -554,10 +552,12 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
 
     // The source's frontend is killed mid-copy: writes after it would not be marked, so the
     // copy fails; blkplaned restarts the frontend.
-    let src_img = create_image(&images_a.join("s4.img"), CAPACITY);
-    fill(&src_img, 256, 400);
-    let (s4, vmm) = serve(&a, "s4", &src_img, 1);
-    add_destination(&b, "d4", &a, "s4", &images_b.join("d4.img"));
+    let (_, _, s4, vmm) = source_and_destination(
+        (&a, images_a.path(), "s4"),
+        (&b, images_b.path(), "d4"),
+        256,
+        400,
+    );
     // Watched the way an operator would: a progress line a second until it fails.
     let watching = a
         .daemon

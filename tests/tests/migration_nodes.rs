@@ -38,24 +38,10 @@ const MIB: u64 = 1 << 20;
 const CHUNK: usize = 64 * 1024;
 const CHUNKS: u64 = 16;
 
-/// One "node": a blkplaned on 127.0.0.1:PORT that blkplanectl reaches over TLS.
-struct Node {
-    daemon: Daemon,
-    /// `127.0.0.1:PORT`, as the other node names it.
-    endpoint: String,
-}
-
 /// Starts node `name` with the test certificates in `certs`; `peers` gives it the files to
 /// reach the other node.
 fn node(name: &str, certs: &Path, peers: bool) -> Node {
-    let endpoint = format!("127.0.0.1:{}", free_port());
-    let (args, reach) = node_options(certs, &endpoint, name, peers);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let reach: Vec<&str> = reach.iter().map(String::as_str).collect();
-    Node {
-        daemon: Daemon::start_reached_by(&format!("mn-{name}"), &args, Some(&reach)),
-        endpoint,
-    }
+    Node::start("mn", name, certs, peers)
 }
 
 /// How many of `path`'s pages this machine's page cache holds.

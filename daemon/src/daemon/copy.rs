@@ -127,19 +127,7 @@ impl Daemon {
             ));
         }
         self.running(&disk)?;
-        let fresh = self.disk_info(&disk, true).await;
-        if !fresh.migratable {
-            let blockers =
-                crate::migration::blockers(&disk.runtime(), blkplane_api::time::unix_time_ms())
-                    .iter()
-                    .map(crate::migration::Blocker::line)
-                    .collect::<Vec<_>>()
-                    .join("; ");
-            return Err(refused(
-                "id",
-                format!("disk {id} must not be migrated now: {blockers}"),
-            ));
-        }
+        let fresh = self.migratable_now(&disk).await?;
         let destination = format!("disk {} on {endpoint}", req.to_disk);
         let progress: Progress = Arc::new(Mutex::new(pb::MigrationCopy {
             destination: destination.clone(),

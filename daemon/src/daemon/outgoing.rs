@@ -87,18 +87,7 @@ impl Daemon {
                 disk.spec.image.display()
             )));
         }
-        // Asked now: the status the blockers read is the frontend's current one.
-        let fresh = self.disk_info(&disk, true).await;
-        if !fresh.migratable {
-            let blockers = migration::blockers(&disk.runtime(), blkplane_api::time::unix_time_ms())
-                .iter()
-                .map(migration::Blocker::line)
-                .collect::<Vec<_>>()
-                .join("; ");
-            return Err(refused(format!(
-                "disk {id} must not be migrated now: {blockers}"
-            )));
-        }
+        let fresh = self.migratable_now(&disk).await?;
         if asked_again {
             return Ok(fresh);
         }
@@ -193,6 +182,29 @@ impl Daemon {
             format!("the live migration to {current} was cancelled"),
         );
         Ok(Some(current))
+    }
+
+    /// Disk `disk` as GetDisk describes it, asked now (the status the blockers read is the
+    /// frontend's current one), if it may be migrated; FAILED_PRECONDITION `id` naming every
+    /// blocker otherwise.
+    pub(super) async fn migratable_now(
+        &self,
+        disk: &crate::supervisor::DiskHandle,
+    ) -> Result<pb::Disk, DaemonError> {
+        let fresh = self.disk_info(disk, true).await;
+        if fresh.migratable {
+            return Ok(fresh);
+        }
+        let blockers = migration::blockers(&disk.runtime(), blkplane_api::time::unix_time_ms())
+            .iter()
+            .map(migration::Blocker::line)
+            .collect::<Vec<_>>()
+            .join("; ");
+        Err(ValidationError::FailedPrecondition {
+            field: "id",
+            reason: format!("disk {} must not be migrated now: {blockers}", disk.spec.id),
+        }
+        .into())
     }
 
     /// The disk named `id` in an outgoing migration refuses ResizeDisk and Snapshot: the
