@@ -13,7 +13,8 @@
 //!   the new one sparse; the destination VMM reads what the source VMM wrote; its rings
 //!   running retire the source;
 //! - cancelling mid-copy: the source serves on untouched (`migration_failed`), the
-//!   destination says its copy ended incomplete, and removing it deletes its partial image;
+//!   destination says its copy ended incomplete and discards its partial image, and removing
+//!   it deletes the image file;
 //! - auto-converge: a VMM writing faster than the copy is limited step by step until the copy
 //!   converges, and the limit is lifted when the copy ends;
 //! - failures mid-copy, each leaving the source serving with its data: the destination's
@@ -22,7 +23,10 @@
 //!   destination is incomplete again), frozen (SIGSTOP: the copy gives up after the stall timeout), the source's
 //!   blkplaned SIGKILLed (the destination says its copy ended; after the restart a new copy
 //!   completes), the source's frontend SIGKILLed (its writes since would be unmarked: the copy
-//!   fails).
+//!   fails), the destination's frontend SIGKILLed (the copy goes on: it does not pass through
+//!   that frontend, which comes back drained and serves once the image is complete). A
+//!   destination whose copy failed keeps nothing of the disk: its partial image is discarded
+//!   (deallocated) when the stream ends, or by its blkplaned's restart.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -306,20 +310,22 @@ fn a_local_disk_is_copied_to_another_node_while_its_vmm_writes() {
         "{failed:?}"
     );
     let ended = watch_b.wait("migration_failed", "dst2");
+    let message = ended.get("message").str();
     assert!(
-        ended
-            .get("message")
-            .str()
-            .contains("before the image was complete"),
+        message.contains("before the image was complete")
+            && message.contains("its partial image was discarded"),
         "{ended:?}"
     );
+    // Nothing of the disk stays on node B: the part copied so far is deallocated.
+    assert!(dst2_img.exists());
+    assert_eq!(allocated(&dst2_img), 0, "the partial image was kept");
     // The source serves on.
     write_chunk(&mut vmm2, 4, 2);
     let r = vmm2.read(0, 4 * CHUNK as u64 / 512, CHUNK as u32);
     assert_same_data("src2 after the cancel", &r.data[0], &pattern(2, CHUNK));
     assert_eq!(b.daemon.disk("dst2").get("state").str(), "drained");
     b.daemon.ctl_ok(&["disk", "remove", "dst2"]);
-    assert!(!dst2_img.exists(), "the partial image was kept");
+    assert!(!dst2_img.exists(), "the image file was kept");
     drop(vmm2);
 }
 
@@ -435,8 +441,8 @@ fn still_serves(vmm: &mut RawDevice, n: u64, seed: u64, what: &str) {
 fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     let certs = TempDir::new("mlf-certs");
     make_test_certs(certs.path());
-    let mut a = node("node-a3", certs.path());
-    let mut b = node("node-b3", certs.path());
+    let a = node("node-a3", certs.path());
+    let b = node("node-b3", certs.path());
     let images_a = TempDir::new("mlf-img-a");
     let images_b = TempDir::new("mlf-img-b");
     let watch_a = Watcher::start(&a.daemon);
@@ -454,6 +460,14 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     b.daemon.kill9();
     let failed = watch_a.wait("migration_failed", "s1");
     eprintln!("destination killed: {}", failed.get("message").str());
+    // Told apart from the destination's own refusal.
+    assert!(
+        failed
+            .get("message")
+            .str()
+            .contains("the connection to the destination"),
+        "{failed:?}"
+    );
     still_serves(&mut vmm, 2, 7, "s1 after the destination's blkplaned died");
     b.daemon.spawn();
     let d1 = b
@@ -462,6 +476,15 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     assert_eq!(
         d1.get("config").get("incoming_from").get("disk").str(),
         "s1"
+    );
+    // The restarted blkplaned discarded what the dead one had received.
+    assert_eq!(allocated(&dst_img), 0, "the partial image was kept");
+    assert!(
+        b.daemon
+            .log_text()
+            .contains("disk d1: discarded the partial image of the copy from"),
+        "{}",
+        b.daemon.log_text()
     );
     migrate(&a, "s1", &b, "d1", "0");
     still_serves(&mut vmm, 4, 8, "s1 during the second copy");
@@ -487,7 +510,8 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     drop(watch_b);
 
     // The destination's blkplaned freezes: the copy gives up after its stall timeout.
-    let (_, _, _, mut vmm) = source_and_destination(
+    let watch_b = Watcher::start(&b.daemon);
+    let (_, d2_img, _, mut vmm) = source_and_destination(
         (&a, images_a.path(), "s2"),
         (&b, images_b.path(), "d2"),
         512,
@@ -509,6 +533,17 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     );
     still_serves(&mut vmm, 2, 9, "s2 after the destination froze");
     drop(vmm);
+    // Thawed, node B finds its stream gone and discards the part it had received.
+    let ended = watch_b.wait("migration_failed", "d2");
+    assert!(
+        ended
+            .get("message")
+            .str()
+            .contains("its partial image was discarded"),
+        "{ended:?}"
+    );
+    assert_eq!(allocated(&d2_img), 0, "the partial image was kept");
+    drop(watch_b);
 
     // The source's blkplaned is killed mid-copy: its frontend serves on; the destination says
     // its copy ended; after the restart a new copy completes.
@@ -599,4 +634,33 @@ fn a_failed_copy_leaves_the_source_serving_and_a_new_one_completes() {
     assert!(err.contains("the copy of disk s4 failed"), "{err}");
     drop(vmm);
     assert_eq!(b.daemon.disk("d4").get("state").str(), "drained");
+
+    // The destination's frontend is killed mid-copy: the copy does not pass through it (node
+    // B's blkplaned writes the image), so it goes on; blkplaned restarts the frontend, which
+    // serves nothing until the image is complete, and then serves it.
+    let (src_img, dst_img, _, mut vmm) = source_and_destination(
+        (&a, images_a.path(), "s5"),
+        (&b, images_b.path(), "d5"),
+        256,
+        500,
+    );
+    migrate(&a, "s5", &b, "d5", "4M");
+    wait_copying(&a, "s5");
+    let old_pid = b.daemon.disk("d5").get("frontend_pid").u64();
+    kill(old_pid as u32, libc::SIGKILL);
+    let d5 = b.daemon.wait_disk("d5", "restarted", |j| {
+        let pid = j.get("frontend_pid").u64();
+        pid != 0 && pid != old_pid && j.get("state").str() == "drained"
+    });
+    assert!(d5.get("restarts").u64() >= 1, "{d5:?}");
+    still_serves(&mut vmm, 2, 12, "s5 after the destination's frontend died");
+    // The switch-over: the source's VMM goes away, the rest is sent, d5 serves.
+    a.daemon.wait_disk("s5", "converged", |j| {
+        j.get("migration_copy").get("phase").str() == "converged"
+    });
+    drop(vmm);
+    watch_a.wait("migration_copied", "s5");
+    b.daemon
+        .wait_disk("d5", "serving", |j| j.get("state").str() == "ready");
+    assert_same_image(&src_img, &dst_img);
 }

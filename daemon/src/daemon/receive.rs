@@ -156,8 +156,10 @@ impl Daemon {
                 }
             }
         };
-        lock(&self.receiving).remove(&id);
+        // Still marked as receiving while it ends: a new stream's reset and writes must not
+        // race with this one's discard of the partial image.
         self.stream_ended(&receiving, failure).await;
+        lock(&self.receiving).remove(&id);
     }
 
     /// After the stream: an incomplete image is reported; a complete one whose VMM does not
@@ -175,9 +177,22 @@ impl Daemon {
             return;
         };
         if from.image_incomplete {
+            // Nothing of the disk stays on this node after a failed copy: the part copied so
+            // far is discarded (a new copy starts over from zeros anyway). It was never
+            // served: the frontend stays drained while the image is incomplete.
+            let sink = Arc::clone(&receiving.sink);
+            let discarded = tokio::task::spawn_blocking(move || lock(&sink).discard())
+                .await
+                .map_err(std::io::Error::other)
+                .and_then(|r| r);
+            let discarded = match discarded {
+                Ok(()) => "its partial image was discarded".to_string(),
+                Err(e) => format!("discarding its partial image failed ({e})"),
+            };
             let message = format!(
-                "the copy from {} ended before the image was complete{why}; the disk serves \
-                 nothing until a new copy completes it (or RemoveDisk deletes it)",
+                "the copy from {} ended before the image was complete{why}; {discarded}, and \
+                 the disk serves nothing until a new copy completes it (or RemoveDisk deletes \
+                 it)",
                 receiving.from
             );
             warn!("disk {id}: {message}");

@@ -1,6 +1,7 @@
 //! The start-up of blkplaned: its directories and their locks, the desired state read back,
 //! the orphan sweep (files and frontends of disks that are not in the state), the throttle
-//! groups' files, and the supervision of every disk begun (adopting running frontends).
+//! groups' files, the partial images of copies that died with the previous blkplaned
+//! discarded, and the supervision of every disk begun (adopting running frontends).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
@@ -15,10 +16,11 @@ use tokio::sync::broadcast::Receiver;
 
 use crate::events::EventBus;
 use crate::frontend;
+use crate::mirror;
 use crate::paths::{self, DiskPaths};
 use crate::pb::{DiskState, Event, EventKind};
 use crate::settings::Settings;
-use crate::state::{DirLock, State, StateStore, StoredDisk, ThrottleSetting};
+use crate::state::{DirLock, RemoteSource, State, StateStore, StoredDisk, ThrottleSetting};
 use crate::supervisor::{DiskHandle, Initial};
 use crate::sync::lock;
 use crate::throttle::{self, GroupFile};
@@ -103,6 +105,23 @@ impl Daemon {
         } in state.disks
         {
             let id = spec.id.clone();
+            // A copy from another node that this node's previous blkplaned was receiving
+            // when it died: nothing of it stays here (a new copy starts over from zeros).
+            if let Some(from) = spec
+                .incoming_from
+                .as_ref()
+                .filter(|from| RemoteSource::awaits_image(Some(from)))
+            {
+                match mirror::image::discard(&spec.image) {
+                    Ok(()) => info!(
+                        "disk {id}: discarded the partial image of the copy from {from}: a new \
+                         copy starts over"
+                    ),
+                    Err(e) => warn!(
+                        "disk {id}: discarding the partial image of the copy from {from}: {e}"
+                    ),
+                }
+            }
             let handle = DiskHandle::spawn(
                 spec,
                 lifecycle,

@@ -182,6 +182,14 @@ pub struct DestinationImage {
     capacity: u64,
 }
 
+/// Makes the destination image at `path` read as zeros again, all of it, and durable so:
+/// the part of a copy that failed holds the disk's data, which a node must not keep.
+pub fn discard(path: &Path) -> io::Result<()> {
+    let image = DestinationImage::open(path, std::fs::metadata(path)?.len())?;
+    image.reset()?;
+    image.sync()
+}
+
 impl DestinationImage {
     /// Opens the image at `path` (created by [`create_destination`]) of a disk of `capacity`
     /// bytes.

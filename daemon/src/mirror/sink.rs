@@ -106,6 +106,14 @@ impl Sink {
         Ok(Step::Nothing)
     }
 
+    /// Makes the whole image read as zeros again, deallocated where the file system can:
+    /// the part of a copy that failed holds the disk's data, which this node must not keep.
+    pub fn discard(&mut self) -> std::io::Result<()> {
+        self.written = 0;
+        self.image.reset()?;
+        self.image.sync()
+    }
+
     /// fdatasync of the image.
     pub fn sync(&self) -> std::io::Result<()> {
         self.image.sync()

@@ -122,6 +122,15 @@ pub enum CopyError {
         /// Its words.
         why: String,
     },
+    /// The connection to the destination broke (the node died or became unreachable: the
+    /// stream's keepalive pings went unanswered), as opposed to the destination's own refusal.
+    #[error("the connection to the destination {endpoint} broke ({why})")]
+    ConnectionLost {
+        /// The node.
+        endpoint: String,
+        /// The transport's words.
+        why: String,
+    },
     /// The destination took nothing for too long.
     #[error("the destination {endpoint} took nothing for {STALL_TIMEOUT:?}")]
     Stalled {
@@ -143,6 +152,9 @@ struct Stream {
     endpoint: String,
     pacer: Pacer,
     clock: Instant,
+    /// The bandwidth limit is not applied: the switch-over's last pass, which the VM waits
+    /// for (QEMU lifts its own `max-bandwidth` for a stopped VM's last pass the same way).
+    full_speed: bool,
 }
 
 impl Stream {
@@ -175,19 +187,33 @@ impl Stream {
             endpoint,
             pacer: Pacer::new(req.bandwidth, Duration::ZERO),
             clock: Instant::now(),
+            full_speed: false,
         })
     }
 
     /// Why the destination ended the stream (its status, if it sent one).
     async fn ended(&mut self) -> CopyError {
         let why = match tokio::time::timeout(Duration::from_secs(5), self.acks.message()).await {
-            Ok(Err(status)) => status.message().to_string(),
+            Ok(Err(status)) => return self.failed(&status),
             Ok(Ok(_)) => "the stream ended".to_string(),
             Err(_) => "the stream was closed".to_string(),
         };
         CopyError::Destination {
             endpoint: self.endpoint.clone(),
             why,
+        }
+    }
+
+    /// The error of a status the stream ended with: one the destination sent (its refusal),
+    /// or one the transport made of a broken connection (it carries the transport's error as
+    /// its source; a status received from the peer has none).
+    fn failed(&self, status: &tonic::Status) -> CopyError {
+        let endpoint = self.endpoint.clone();
+        let why = status.message().to_string();
+        if std::error::Error::source(status).is_some() {
+            CopyError::ConnectionLost { endpoint, why }
+        } else {
+            CopyError::Destination { endpoint, why }
         }
     }
 
@@ -202,8 +228,9 @@ impl Stream {
                 })
             }
         }
+        // Counted either way, so that the limit holds over the time around a switch-over.
         let wait = self.pacer.sent(counted, self.clock.elapsed());
-        if !wait.is_zero() {
+        if !wait.is_zero() && !self.full_speed {
             tokio::time::sleep(wait).await;
         }
         Ok(())
@@ -217,10 +244,7 @@ impl Stream {
                 endpoint: self.endpoint.clone(),
                 why: "the stream ended".into(),
             }),
-            Ok(Err(status)) => Err(CopyError::Destination {
-                endpoint: self.endpoint.clone(),
-                why: status.message().to_string(),
-            }),
+            Ok(Err(status)) => Err(self.failed(&status)),
             Err(_) => Err(CopyError::Stalled {
                 endpoint: self.endpoint.clone(),
             }),
@@ -514,7 +538,11 @@ impl<D: SourceDisk> Job<'_, D> {
     /// destination serves.
     async fn switch_over(&mut self) -> Result<(), CopyError> {
         let started = Instant::now();
-        let last = self.dirty_pass().await?;
+        // The VM is stopped and waits for this pass: no bandwidth limit.
+        self.stream.full_speed = true;
+        let last = self.dirty_pass().await;
+        self.stream.full_speed = false;
+        let last = last?;
         let passed = started.elapsed();
         self.stream
             .send(
