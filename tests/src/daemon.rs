@@ -100,7 +100,9 @@ impl Drop for KillFrontends {
 /// A `blkplaned` on a private state and runtime directory, killed (with every frontend it
 /// started) on drop. Its log is printed when the test fails.
 pub struct Daemon {
-    child: Option<Child>,
+    /// Behind a lock so that a test holding the daemon shared (two nodes' sides) can still
+    /// kill and restart it.
+    child: std::sync::Mutex<Option<Child>>,
     /// `--state-dir`.
     pub state_dir: PathBuf,
     run_dir: PathBuf,
@@ -148,8 +150,8 @@ impl Daemon {
             Some(options) => options.iter().map(|s| s.to_string()).collect(),
             None => vec!["--socket".into(), socket.to_str().unwrap().into()],
         };
-        let mut d = Daemon {
-            child: None,
+        let d = Daemon {
+            child: std::sync::Mutex::new(None),
             log: dir.join("blkplaned.log"),
             state_dir,
             run_dir,
@@ -163,8 +165,9 @@ impl Daemon {
     }
 
     /// Starts blkplaned (again) with the same arguments and waits until its API answers.
-    pub fn spawn(&mut self) {
-        assert!(self.child.is_none(), "blkplaned is already running");
+    pub fn spawn(&self) {
+        let mut child = self.child();
+        assert!(child.is_none(), "blkplaned is already running");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -178,10 +181,10 @@ impl Daemon {
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        self.child = Some(cmd.spawn().expect("spawning blkplaned"));
+        let running = child.insert(cmd.spawn().expect("spawning blkplaned"));
         let deadline = Instant::now() + TIMEOUT;
         loop {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+            if let Some(status) = running.try_wait().unwrap() {
                 panic!("blkplaned exited at start: {status}\n{}", self.log_text());
             }
             if self.ctl(&["disk", "list"]).code == Some(0) {
@@ -198,19 +201,26 @@ impl Daemon {
 
     /// blkplaned's pid.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("blkplaned is not running").id()
+        self.child()
+            .as_ref()
+            .expect("blkplaned is not running")
+            .id()
+    }
+
+    fn child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.child.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// SIGKILL, like a crash: nothing is cleaned up.
-    pub fn kill9(&mut self) {
-        let mut child = self.child.take().expect("blkplaned is not running");
+    pub fn kill9(&self) {
+        let mut child = self.child().take().expect("blkplaned is not running");
         child.kill().unwrap();
         child.wait().unwrap();
     }
 
     /// SIGTERM and wait for a clean exit.
-    pub fn stop(&mut self) {
-        let mut child = self.child.take().expect("blkplaned is not running");
+    pub fn stop(&self) {
+        let mut child = self.child().take().expect("blkplaned is not running");
         kill(child.id(), libc::SIGTERM);
         let deadline = Instant::now() + TIMEOUT;
         loop {
@@ -366,7 +376,7 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
+        if let Some(mut child) = self.child().take() {
             let _ = child.kill();
             let _ = child.wait();
         }

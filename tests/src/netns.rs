@@ -12,6 +12,8 @@ pub const ADDRESSES: [&str; 2] = ["10.231.0.1", "10.231.0.2"];
 /// Two network namespaces joined by a veth pair.
 pub struct TwoNodes {
     names: [String; 2],
+    /// Each node's end of the veth pair.
+    links: [String; 2],
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -34,21 +36,22 @@ impl TwoNodes {
     /// loopback in each.
     pub fn new(tag: &str) -> Result<TwoNodes, String> {
         let pid = std::process::id();
-        let nodes = TwoNodes {
-            names: [format!("bp{pid}{tag}a"), format!("bp{pid}{tag}b")],
-        };
-        let [a, b] = &nodes.names;
-        ip(&["netns", "add", a])?;
-        ip(&["netns", "add", b])?;
         // Interface names are global to the machine until moved, and at most 15 bytes: the
         // pid and a number per pair of this process.
         static PAIRS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (va, vb) = (format!("v{pid}.{n}a"), format!("v{pid}.{n}b"));
+        let nodes = TwoNodes {
+            names: [format!("bp{pid}{tag}a"), format!("bp{pid}{tag}b")],
+            links: [format!("v{pid}.{n}a"), format!("v{pid}.{n}b")],
+        };
+        let [a, b] = &nodes.names;
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        let [va, vb] = &nodes.links;
         ip(&[
-            "link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b,
+            "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b,
         ])?;
-        for (ns, dev, addr) in [(a, &va, ADDRESSES[0]), (b, &vb, ADDRESSES[1])] {
+        for (ns, dev, addr) in [(a, va, ADDRESSES[0]), (b, vb, ADDRESSES[1])] {
             ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
             ip(&["-n", ns, "link", "set", dev, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
@@ -59,6 +62,14 @@ impl TwoNodes {
     /// The namespace of node `i` (0 or 1).
     pub fn name(&self, i: usize) -> &str {
         &self.names[i]
+    }
+
+    /// Cuts the network between the nodes (`false`: node `i`'s end of the veth pair goes
+    /// down, as an unplugged cable: its peer sees no carrier and nothing crosses) or restores
+    /// it (`true`).
+    pub fn connect(&self, i: usize, up: bool) -> Result<(), String> {
+        let state = if up { "up" } else { "down" };
+        ip(&["-n", self.name(i), "link", "set", &self.links[i], state])
     }
 
     /// `program` to run in node `i`.

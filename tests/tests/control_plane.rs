@@ -173,7 +173,7 @@ fn verify_round(socket: &Path, disk: u64, round: u64) {
 /// SIGKILLed and re-adopting, a frontend SIGKILLed and restarted, a resize, a forced removal.
 #[test]
 fn three_disks_through_crashes_and_restarts() {
-    let mut d = Daemon::start("cp", &[]);
+    let d = Daemon::start("cp", &[]);
     let images = TempDir::new("cpimg");
     let watcher = Watcher::start(&d);
 
@@ -881,7 +881,7 @@ fn disk_logs_are_capped_and_rotated() {
 /// crash makes it 2.
 #[test]
 fn restart_counts_survive_blkplaned() {
-    let mut d = Daemon::start("cprestarts", &[]);
+    let d = Daemon::start("cprestarts", &[]);
     let dir = TempDir::new("cprestartsimg");
     let img = create_image(&dir.join("d.img"), 8 * MIB);
     let first = add_disk(&d, "rc", &img, &[]).get("frontend_pid").u64() as u32;
@@ -1096,7 +1096,7 @@ fn second_daemon_on_the_same_dirs_is_refused() {
 /// logs of ids not in the state (the disk's own are kept).
 #[test]
 fn restart_with_stale_pid_file_and_orphan() {
-    let mut d = Daemon::start("cpstale", &[]);
+    let d = Daemon::start("cpstale", &[]);
     let dir = TempDir::new("cpstaleimg");
     let img = create_image(&dir.join("a.img"), 8 * MIB);
     let ghost_img = create_image(&dir.join("ghost.img"), 8 * MIB);
@@ -1492,7 +1492,7 @@ fn drain_and_resume_under_io() {
 /// on (the rings still serve).
 #[test]
 fn migration_blockers() {
-    let mut d = Daemon::start("cpblock", &[]);
+    let d = Daemon::start("cpblock", &[]);
     let images = TempDir::new("cpblockimg");
     let img = create_image(&images.join("m.img"), 8 * MIB);
     let watcher = Watcher::start(&d);

@@ -26,9 +26,12 @@
 //! run in their nodes and migrate over TCP, and node A retires `src` when node B asks.
 //! `live_migration_across_nodes_with_local_storage` does it with node A's own image: node B's
 //! disk gets a new image, node A copies the disk there while fio writes (`disk migrate --to`)
-//! — after a first copy that fails because node B's blkplaned freezes mid-copy, the VM
-//! running on — QEMU migrates once the copy has converged, the source QEMU's switch-over sends the rest,
-//! and the guest verifies every block on node B's copy.
+//! — after four copies that fail mid-copy (the network between the nodes cut, node B's
+//! blkplaned killed, node A's blkplaned killed, the migration cancelled), the VM running on
+//! and node B keeping nothing of the disk after each — QEMU migrates once the copy has
+//! converged (limited to 3 MiB/s, slower than the guest's fio writes, it converges only once
+//! auto-converge has limited the guest's writes), the source QEMU's switch-over sends the
+//! rest, and the guest verifies every block on node B's copy.
 //!
 //! Needs what `tests/setup.sh` installs (QEMU 10.0, the guest's packages, iproute2), and root.
 
@@ -206,6 +209,9 @@ enum Sides<'a> {
 
 /// The port the nodes' blkplaned listen at, on their node's address.
 const API_PORT: u16 = 7070;
+/// The bandwidth of the copy the VM migrates after (local storage): below the guest's write
+/// rate, so that auto-converge must slow the guest for the copy to converge.
+const COPY_BANDWIDTH: &str = "3M";
 /// The port the destination QEMU listens at for the migration stream.
 const MIGRATION_PORT: u16 = 4444;
 
@@ -389,45 +395,123 @@ impl Host<'_> {
         Ok(())
     }
 
-    /// A copy that fails while the guest writes: node B's blkplaned freezes (SIGSTOP, as a
-    /// cut network looks to node A) mid-copy; node A gives up, the VM runs on with its disk,
-    /// and node B, thawed, reports its copy ended incomplete (its disk stays drained for the
-    /// next copy). The guest's fio rounds verify across it.
-    fn copy_to_a_frozen_node(
-        &self,
-        src: &mut Vm,
-        src_daemon: &Daemon,
-        dst_daemon: &Daemon,
-    ) -> Result<(), String> {
-        start_copy(src_daemon, "1M");
-        let copying = |phase: &str| {
+    /// Copies that fail while the guest writes and verifies, one per way a copy can fail
+    /// mid-copy: the network between the nodes cut (node B's end of the veth pair down),
+    /// node B's blkplaned killed (SIGKILL, then restarted), node A's blkplaned killed (its
+    /// frontend serves on; restarted), the migration cancelled on node A (the operator gives
+    /// up: node A forgets it, node B's disk is removed — its image file with it — and added
+    /// again with `add` for the next attempt). After each, the VM runs on, its disk on node
+    /// A; node A says the copy failed (but when it was the one killed: then node B says the
+    /// stream ended); node B keeps nothing of the disk (its partial image discarded) and its
+    /// disk waits, drained, for the next copy. The guest's fio rounds verify across all of
+    /// them.
+    fn failed_copies(&self, src: &mut Vm, nodes: &TwoNodes, add: &[&str]) -> Result<(), String> {
+        let (src_daemon, dst_daemon) = (self.sides.src(), self.sides.dst());
+        let dst_image = self.sides.local().ok_or("not a local copy")?;
+        let failed = || {
             let copy = src_daemon.disk("src").get("migration_copy").clone();
-            (copy.get("phase").str() == phase && copy.get("bytes_sent").u64() > 0).then_some(copy)
+            (copy.get("phase").str() == "failed").then_some(copy)
         };
-        wait_for(CONTROL_TIMEOUT, || copying("bulk")).ok_or("the copy sent nothing")?;
-        let frozen = Instant::now();
-        blkplane_tests::daemon::kill(dst_daemon.pid(), libc::SIGSTOP);
-        let failed = wait_for(MIGRATION_TIMEOUT, || copying("failed"));
-        blkplane_tests::daemon::kill(dst_daemon.pid(), libc::SIGCONT);
-        let failed = failed.ok_or("the copy to a frozen node never failed")?;
-        let gave_up = frozen.elapsed();
-        let ended = wait_for(CONTROL_TIMEOUT, || {
+        // Node B's word that a stream ended with its image incomplete (and discarded).
+        let ended = || {
             dst_daemon
                 .log_text()
-                .contains("ended before the image was complete")
-                .then_some(())
-        });
-        if ended.is_none() {
-            return Err("node B never said its copy ended".into());
+                .matches("ended before the image was complete")
+                .count()
+        };
+        for case in [
+            "network cut",
+            "node B's blkplaned killed",
+            "node A's blkplaned killed",
+            "cancelled",
+        ] {
+            let ended_before = ended();
+            start_copy(src_daemon, "1M");
+            wait_for(CONTROL_TIMEOUT, || {
+                let copy = src_daemon.disk("src").get("migration_copy").clone();
+                (copy.get("phase").str() == "bulk" && copy.get("bytes_sent").u64() > 0)
+                    .then_some(())
+            })
+            .ok_or_else(|| format!("{case}: the copy sent nothing"))?;
+            let started = Instant::now();
+            let why = match case {
+                "network cut" => {
+                    nodes.connect(1, false)?;
+                    let failure = wait_for(MIGRATION_TIMEOUT, failed);
+                    nodes.connect(1, true)?;
+                    let failure = failure.ok_or("the copy across a cut network never failed")?;
+                    wait_for(MIGRATION_TIMEOUT, || (ended() > ended_before).then_some(()))
+                        .ok_or("node B never said its copy ended")?;
+                    failure.get("failure").str().to_string()
+                }
+                "node B's blkplaned killed" => {
+                    dst_daemon.kill9();
+                    let failure = wait_for(MIGRATION_TIMEOUT, failed);
+                    dst_daemon.spawn();
+                    let failure = failure.ok_or("the copy to a dead node never failed")?;
+                    wait_for(CONTROL_TIMEOUT, || {
+                        (dst_daemon.disk("dst").get("state").str() == "drained").then_some(())
+                    })
+                    .ok_or("node B's disk did not come back drained")?;
+                    failure.get("failure").str().to_string()
+                }
+                "cancelled" => {
+                    src_daemon.ctl_ok(&["disk", "migrate", "src", "--cancel"]);
+                    let failure = wait_for(CONTROL_TIMEOUT, failed)
+                        .ok_or("the cancelled copy did not say it failed")?;
+                    wait_for(CONTROL_TIMEOUT, || (ended() > ended_before).then_some(()))
+                        .ok_or("node B never said its copy ended")?;
+                    failure.get("failure").str().to_string()
+                }
+                _ => {
+                    src_daemon.kill9();
+                    let seen = wait_for(CONTROL_TIMEOUT, || (ended() > ended_before).then_some(()));
+                    src_daemon.spawn();
+                    seen.ok_or("node B never said its copy ended")?;
+                    // Adopted, and the dead one's write tracking stopped.
+                    wait_for(CONTROL_TIMEOUT, || {
+                        (src_daemon.disk("src").get("state").str() == "connected"
+                            && src_daemon
+                                .log_text()
+                                .contains("disk src: stopped the write tracking of a copy"))
+                        .then_some(())
+                    })
+                    .ok_or_else(|| {
+                        format!(
+                            "node A's restarted blkplaned did not adopt src: {:?}",
+                            src_daemon.disk("src")
+                        )
+                    })?;
+                    "node A's blkplaned restarted without the copy".to_string()
+                }
+            };
+            let run_state = src.qmp.status()?;
+            if run_state != "running" {
+                return Err(format!(
+                    "{case}: the VM is {run_state:?} after the failed copy"
+                ));
+            }
+            let kept = std::fs::metadata(dst_image)
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+                .map_err(|e| format!("{}: {e}", dst_image.display()))?;
+            if kept != 0 {
+                return Err(format!(
+                    "{case}: node B kept {kept} bytes of its partial image"
+                ));
+            }
+            if case == "cancelled" {
+                dst_daemon.ctl_ok(&["disk", "remove", "dst"]);
+                if dst_image.exists() {
+                    return Err(format!("{case}: removing dst kept {}", dst_image.display()));
+                }
+                dst_daemon.ctl_ok(add);
+            }
+            progress(&format!(
+                "copy failed, {case}: {:.1?} from the failure to its end ({why}); the VM runs on, \
+                 node B kept nothing",
+                started.elapsed()
+            ));
         }
-        let run_state = src.qmp.status()?;
-        if run_state != "running" {
-            return Err(format!("the VM is {run_state:?} after the failed copy"));
-        }
-        progress(&format!(
-            "node B frozen mid-copy: node A gave up after {gave_up:.1?} ({}); the VM runs on",
-            failed.get("failure").str()
-        ));
         Ok(())
     }
 
@@ -451,14 +535,21 @@ impl Host<'_> {
             add.extend(["--image", &image]);
         }
         add.extend(incoming.iter().map(String::as_str));
-        let dst = dst_daemon.ctl_json(&add);
+        let mut dst = dst_daemon.ctl_json(&add);
         // A local disk: node A copies it to node B's new image while the guest writes, and
         // the VM migrates once the copy has converged.
         let mut converged_after = None;
         if self.sides.local().is_some() {
-            self.copy_to_a_frozen_node(src, src_daemon, dst_daemon)?;
+            let Sides::TwoNodes { nodes, .. } = self.sides else {
+                return Err("a local copy on one node".into());
+            };
+            self.failed_copies(src, nodes, &add)?;
+            // Added again after the cancelled attempt.
+            dst = dst_daemon.disk("dst");
+            // Slower than the guest writes (fio rewrites its 16 MiB every round of ~3.5 s):
+            // the copy cannot converge until auto-converge limits the guest's writes.
             let copy_started = Instant::now();
-            start_copy(src_daemon, "0");
+            start_copy(src_daemon, COPY_BANDWIDTH);
             let deadline = Instant::now() + MIGRATION_TIMEOUT;
             loop {
                 let copy = src_daemon.disk("src").get("migration_copy").clone();
@@ -472,6 +563,24 @@ impl Host<'_> {
                 }
             }
             converged_after = Some(copy_started.elapsed());
+            let limits: Vec<String> = src_daemon
+                .log_text()
+                .lines()
+                .filter(|l| l.contains("event migration_auto_converge: disk src"))
+                .filter_map(|l| l.split_once("limited to ").map(|(_, r)| r.to_string()))
+                .collect();
+            if limits.is_empty() {
+                return Err(format!(
+                    "the copy converged at {COPY_BANDWIDTH}B/s without auto-converge: the guest \
+                     wrote slower than the test needs"
+                ));
+            }
+            progress(&format!(
+                "copy at {COPY_BANDWIDTH}B/s: auto-converge limited the guest's writes {} times \
+                 (to {})",
+                limits.len(),
+                limits.join(", then ")
+            ));
         }
         let reasons = blocker_reasons(&dst);
         if !reasons.iter().any(|r| r == "incoming") {

@@ -528,8 +528,8 @@ fn shared_storage_migration_between_two_blkplaned() {
 fn a_migration_across_nodes_survives_restarts_of_both_blkplaned() {
     let certs = TempDir::new("mn-restart-certs");
     make_test_certs(certs.path());
-    let mut a = node("node-a", certs.path(), true);
-    let mut b = node("node-b", certs.path(), true);
+    let a = node("node-a", certs.path(), true);
+    let b = node("node-b", certs.path(), true);
     let images = TempDir::new("mn-restart-img");
     let img = create_image(&images.join("shared.img"), 8 * MIB);
     let src = add_disk(&a.daemon, "src", &img, &[]);
