@@ -30,7 +30,8 @@
 //! blkplaned killed, node A's blkplaned killed, the migration cancelled), the VM running on
 //! and node B keeping nothing of the disk after each — QEMU migrates once the copy has
 //! converged (limited to 3 MiB/s, slower than the guest's fio writes, it converges only once
-//! auto-converge has limited the guest's writes), the source QEMU's switch-over sends the
+//! auto-converge has limited the guest's writes; node B's frontend is killed during it, which
+//! the copy outlives), the source QEMU's switch-over sends the
 //! rest, and the guest verifies every block on node B's copy.
 //!
 //! Needs what `tests/setup.sh` installs (QEMU 10.0, the guest's packages, iproute2), and root.
@@ -515,6 +516,39 @@ impl Host<'_> {
         Ok(())
     }
 
+    /// Node B's frontend killed mid-copy: the copy does not pass through it (node B's
+    /// blkplaned writes the image), so it goes on; blkplaned restarts the frontend, drained
+    /// until the image is complete.
+    fn destination_frontend_killed(
+        &self,
+        src_daemon: &Daemon,
+        dst_daemon: &Daemon,
+    ) -> Result<(), String> {
+        wait_for(CONTROL_TIMEOUT, || {
+            let copy = src_daemon.disk("src").get("migration_copy").clone();
+            (copy.get("bytes_sent").u64() > 0).then_some(())
+        })
+        .ok_or("the copy sent nothing")?;
+        let old = dst_daemon.disk("dst").get("frontend_pid").u64();
+        blkplane_tests::daemon::kill(old as u32, libc::SIGKILL);
+        let restarted = wait_for(CONTROL_TIMEOUT, || {
+            let dst = dst_daemon.disk("dst");
+            let pid = dst.get("frontend_pid").u64();
+            (pid != 0 && pid != old && dst.get("state").str() == "drained").then_some(pid)
+        })
+        .ok_or("node B's frontend did not come back drained")?;
+        let copy = src_daemon.disk("src").get("migration_copy").clone();
+        if copy.get("phase").str() == "failed" {
+            return Err(format!("the copy failed with node B's frontend: {copy:?}"));
+        }
+        progress(&format!(
+            "node B's frontend killed mid-copy (pid {old} → {restarted}, drained): the copy \
+             goes on ({})",
+            copy.get("phase").str()
+        ));
+        Ok(())
+    }
+
     fn migrate(&mut self, src: &mut Vm) -> Result<(Vm, String), String> {
         // The blocker of the previous phase is gone once blkplaned says so.
         let wait_migratable = Instant::now() + CONTROL_TIMEOUT;
@@ -550,6 +584,7 @@ impl Host<'_> {
             // the copy cannot converge until auto-converge limits the guest's writes.
             let copy_started = Instant::now();
             start_copy(src_daemon, COPY_BANDWIDTH);
+            self.destination_frontend_killed(src_daemon, dst_daemon)?;
             let deadline = Instant::now() + MIGRATION_TIMEOUT;
             loop {
                 let copy = src_daemon.disk("src").get("migration_copy").clone();
