@@ -152,7 +152,7 @@ struct Stream {
     endpoint: String,
     pacer: Pacer,
     clock: Instant,
-    /// The bandwidth limit is not applied: the switch-over's last pass, which the VM waits
+    /// The bandwidth limit is neither applied nor counted: the switch-over, which the VM waits
     /// for (QEMU lifts its own `max-bandwidth` for a stopped VM's last pass the same way).
     full_speed: bool,
 }
@@ -228,9 +228,12 @@ impl Stream {
                 })
             }
         }
-        // Counted either way, so that the limit holds over the time around a switch-over.
+        if self.full_speed {
+            // Not counted either: a later pass (after a reopen) owes nothing for it.
+            return Ok(());
+        }
         let wait = self.pacer.sent(counted, self.clock.elapsed());
-        if !wait.is_zero() && !self.full_speed {
+        if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
         Ok(())
@@ -538,22 +541,11 @@ impl<D: SourceDisk> Job<'_, D> {
     /// destination serves.
     async fn switch_over(&mut self) -> Result<(), CopyError> {
         let started = Instant::now();
-        // The VM is stopped and waits for this pass: no bandwidth limit.
+        // The VM is stopped and waits for the rest and the marker: no bandwidth limit.
         self.stream.full_speed = true;
-        let last = self.dirty_pass().await;
+        let finished = self.finish().await;
         self.stream.full_speed = false;
-        let last = last?;
-        let passed = started.elapsed();
-        self.stream
-            .send(
-                MigrationData {
-                    complete: true,
-                    ..MigrationData::default()
-                },
-                0,
-            )
-            .await?;
-        let ack = self.stream.ack().await?;
+        let (last, passed, ack) = finished?;
         let took = started.elapsed();
         let sent = lock(&self.progress).bytes_sent;
         self.update(|p| {
@@ -579,6 +571,25 @@ impl<D: SourceDisk> Job<'_, D> {
         self.events
             .emit(EventKind::MigrationCopied, &self.req.id, self.pid, message);
         Ok(())
+    }
+
+    /// The switch-over's sends: the last pass, then `complete`; returns the bytes of the
+    /// pass, how long it took, and the destination's ack.
+    async fn finish(&mut self) -> Result<(u64, Duration, MigrationDataAck), CopyError> {
+        let started = Instant::now();
+        let last = self.dirty_pass().await?;
+        let passed = started.elapsed();
+        self.stream
+            .send(
+                MigrationData {
+                    complete: true,
+                    ..MigrationData::default()
+                },
+                0,
+            )
+            .await?;
+        let ack = self.stream.ack().await?;
+        Ok((last, passed, ack))
     }
 
     /// After the switch-over: waits until the job is stopped (`Ok(false)`) or the source
