@@ -10,8 +10,10 @@
 //!   the destination serves (`migration_copied` on both nodes, the switch-over time shown);
 //!   the source VMM coming back (its rings run again) reopens the copy (the destination stops
 //!   serving) and a second switch-over completes it again; the images are then byte-identical,
-//!   the new one sparse; the destination VMM reads what the source VMM wrote; its rings
-//!   running retire the source;
+//!   the new one sparse; with the destination's VMM running, the source's coming back makes
+//!   node A say `reopened`, which node B refuses (`both_serving`, it serves on) and node A
+//!   does not retire a source whose rings run; the destination VMM reads what the source VMM
+//!   wrote; its rings running (the source's stopped) retire the source;
 //! - cancelling mid-copy: the source serves on untouched (`migration_failed`), the
 //!   destination says its copy ended incomplete and discards its partial image, and removing
 //!   it deletes the image file;
@@ -274,8 +276,37 @@ fn a_local_disk_is_copied_to_another_node_while_its_vmm_writes() {
         allocated(&dst_img)
     );
 
-    // The destination VMM reads what the source wrote; its rings running retire the source.
+    // Both VMs run: the destination's VMM runs its rings, then the source's VMM comes back
+    // too while node A's blkplaned is frozen (so that it retires nothing first). Node A's copy
+    // sees the source's rings running and says `reopened`; node B refuses, its VMM runs the
+    // VM (`both_serving`), and serves on; node A does not retire a source whose rings run.
+    kill(a.daemon.pid(), libc::SIGSTOP);
     let mut dest_vmm = connect(&dst_socket, 2, "dst");
+    let source_again = connect(&src_socket, 2, "src while dst runs");
+    kill(a.daemon.pid(), libc::SIGCONT);
+    let refused = wait_for(TIMEOUT, || {
+        events_of(&watch_b, "both_serving", "dst")
+            .into_iter()
+            .find(|e| e.get("message").str().contains("runs the VM already"))
+    })
+    .expect("node B did not refuse the reopen");
+    eprintln!("reopen refused: {}", refused.get("message").str());
+    assert!(
+        wait_for(TIMEOUT, || a
+            .daemon
+            .log_text()
+            .contains("but the VM runs there already: not copied")
+            .then_some(()))
+        .is_some(),
+        "node A did not see the refusal:\n{}",
+        a.daemon.log_text()
+    );
+    assert_eq!(b.daemon.disk("dst").get("state").str(), "connected");
+    assert!(a.daemon.state_ids().contains(&"src".to_string()));
+    drop(source_again);
+
+    // The destination VMM reads what the source wrote; its rings running (and the source's
+    // stopped) retire the source.
     let r = dest_vmm.read(0, 901 * CHUNK as u64 / 512, CHUNK as u32);
     assert_eq!(r.status_u32(), Some(VIRTIO_BLK_S_OK), "{r:?}");
     assert_same_data("chunk 901 through dst", &r.data[0], &pattern(5001, CHUNK));
