@@ -293,6 +293,16 @@ fn start_copy(src_daemon: &Daemon, bandwidth: &str) {
     ]);
 }
 
+/// Waits until the copy of `src` on node A (`src_daemon`) is in its bulk pass and has sent
+/// something.
+fn wait_sending(src_daemon: &Daemon) -> Result<(), String> {
+    wait_for(CONTROL_TIMEOUT, || {
+        let copy = src_daemon.disk("src").get("migration_copy").clone();
+        (copy.get("phase").str() == "bulk" && copy.get("bytes_sent").u64() > 0).then_some(())
+    })
+    .ok_or_else(|| "the copy sent nothing".to_string())
+}
+
 /// Everything the host does for the guest's `BLKPLANE-HOST` lines.
 struct Host<'a> {
     sides: &'a Sides<'a>,
@@ -428,12 +438,7 @@ impl Host<'_> {
         ] {
             let ended_before = ended();
             start_copy(src_daemon, "1M");
-            wait_for(CONTROL_TIMEOUT, || {
-                let copy = src_daemon.disk("src").get("migration_copy").clone();
-                (copy.get("phase").str() == "bulk" && copy.get("bytes_sent").u64() > 0)
-                    .then_some(())
-            })
-            .ok_or_else(|| format!("{case}: the copy sent nothing"))?;
+            wait_sending(src_daemon).map_err(|e| format!("{case}: {e}"))?;
             let started = Instant::now();
             let why = match case {
                 "network cut" => {
@@ -524,11 +529,7 @@ impl Host<'_> {
         src_daemon: &Daemon,
         dst_daemon: &Daemon,
     ) -> Result<(), String> {
-        wait_for(CONTROL_TIMEOUT, || {
-            let copy = src_daemon.disk("src").get("migration_copy").clone();
-            (copy.get("bytes_sent").u64() > 0).then_some(())
-        })
-        .ok_or("the copy sent nothing")?;
+        wait_sending(src_daemon)?;
         let old = dst_daemon.disk("dst").get("frontend_pid").u64();
         blkplane_tests::daemon::kill(old as u32, libc::SIGKILL);
         let restarted = wait_for(CONTROL_TIMEOUT, || {

@@ -182,12 +182,9 @@ pub struct DestinationImage {
     capacity: u64,
 }
 
-/// Makes the destination image at `path` read as zeros again, all of it, and durable so:
-/// the part of a copy that failed holds the disk's data, which a node must not keep.
+/// [`DestinationImage::discard`] of the image at `path`, all of the file.
 pub fn discard(path: &Path) -> io::Result<()> {
-    let image = DestinationImage::open(path, std::fs::metadata(path)?.len())?;
-    image.reset()?;
-    image.sync()
+    DestinationImage::open(path, std::fs::metadata(path)?.len())?.discard()
 }
 
 impl DestinationImage {
@@ -202,6 +199,13 @@ impl DestinationImage {
     /// broken one wrote may be stale where the source is a hole now).
     pub fn reset(&self) -> io::Result<()> {
         self.zero(0, self.capacity)
+    }
+
+    /// Makes the whole image read as zeros again, and durable so: the part of a copy that
+    /// failed holds the disk's data, which a node must not keep.
+    pub fn discard(&self) -> io::Result<()> {
+        self.reset()?;
+        self.sync()
     }
 
     /// Whether `[offset, offset + len)` lies within the disk.

@@ -106,12 +106,10 @@ impl Sink {
         Ok(Step::Nothing)
     }
 
-    /// Makes the whole image read as zeros again, deallocated where the file system can:
-    /// the part of a copy that failed holds the disk's data, which this node must not keep.
+    /// [`DestinationImage::discard`]: the part of a copy that failed is not kept.
     pub fn discard(&mut self) -> std::io::Result<()> {
         self.written = 0;
-        self.image.reset()?;
-        self.image.sync()
+        self.image.discard()
     }
 
     /// fdatasync of the image.
