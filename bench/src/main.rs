@@ -70,7 +70,8 @@ struct Args {
     #[arg(long, default_value = "all")]
     targets: String,
     /// Comma-separated images, or "all": shm (a raw file in --shm-dir), null, disk (a raw file
-    /// in --disk-dir, opened with O_DIRECT).
+    /// in --disk-dir, opened with O_DIRECT), qcow2 and qcow2-fresh (in --shm-dir), qcow2-disk
+    /// and qcow2-disk-fresh (in --disk-dir, opened with O_DIRECT).
     #[arg(long, default_value = "all")]
     images: String,
     /// Disk size (of the shm and disk image files and of the null images), bytes or with a
@@ -252,6 +253,39 @@ impl Qcow2File {
     /// the metadata maps all of them, the data is allocated in the file).
     fn create_allocated(&self, size: u64) -> Result<(), BenchError> {
         make_qcow2(&self.path, size, 65536, "falloc")
+    }
+
+    /// Creates the image with 64 KiB clusters from `size` bytes of pseudo-random raw data made
+    /// in `dir` (every cluster allocated and written, so reads meet the device), then syncs it
+    /// and drops it from the page cache, as the raw disk image is.
+    fn create_converted(&self, dir: &Path, size: u64, seed: u64) -> Result<(), BenchError> {
+        let raw = ImageFile::create(dir, size, seed, false)?;
+        let (from, to) = (raw.path.to_string_lossy(), self.path.to_string_lossy());
+        first_line(
+            Path::new("qemu-img"),
+            &[
+                "convert",
+                "-q",
+                "-f",
+                "raw",
+                "-O",
+                "qcow2",
+                "-o",
+                "cluster_size=65536",
+                &from,
+                &to,
+            ],
+            None,
+        )
+        .map_err(|e| BenchError::Missing(format!("qemu-img convert {from} {to}: {e}")))?;
+        drop(raw);
+        let file = File::open(&self.path)
+            .map_err(BenchError::io(format!("opening {}", self.path.display())))?;
+        file.sync_all()
+            .map_err(BenchError::io(format!("syncing {}", self.path.display())))?;
+        // SAFETY: plain posix_fadvise on a descriptor we own; the whole file.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        Ok(())
     }
 }
 
@@ -508,7 +542,7 @@ fn run(args: Args) -> Result<(), BenchError> {
     } else {
         "not run".into()
     };
-    if images.contains(&ImageKind::Disk) {
+    if images.iter().any(|kind| kind.on_disk()) {
         check_disk_dir(&args.disk_dir)?;
     }
 
@@ -571,7 +605,17 @@ fn run(args: Args) -> Result<(), BenchError> {
         qcow2_image.create_allocated(args.size)?;
     }
     let qcow2_fresh_image = Qcow2File::at(&args.shm_dir, "fresh");
-    let disk_fs = if images.contains(&ImageKind::Disk) {
+    let qcow2_disk_image = Qcow2File::at(&args.disk_dir, "allocated");
+    if images.contains(&ImageKind::Qcow2Disk) {
+        eprintln!(
+            "creating a {} MiB qcow2 image of pseudo-random data in {} (on the disk)",
+            args.size >> 20,
+            args.disk_dir.display()
+        );
+        qcow2_disk_image.create_converted(&args.disk_dir, args.size, args.seed)?;
+    }
+    let qcow2_disk_fresh_image = Qcow2File::at(&args.disk_dir, "fresh");
+    let disk_fs = if images.iter().any(|kind| kind.on_disk()) {
         disk_fs_description(&args.disk_dir)
     } else {
         "not run".into()
@@ -595,6 +639,8 @@ fn run(args: Args) -> Result<(), BenchError> {
             .unwrap_or_else(|| args.disk_dir.join("unused.img")),
         qcow2_image: qcow2_image.path.clone(),
         qcow2_fresh_image: qcow2_fresh_image.path.clone(),
+        qcow2_disk_image: qcow2_disk_image.path.clone(),
+        qcow2_disk_fresh_image: qcow2_disk_fresh_image.path.clone(),
         size: args.size,
         shm_direct: direct,
         cpus: args.backend_cpu.clone(),
@@ -742,6 +788,10 @@ fn run_one(
         // 4 KiB clusters: a random 4 KiB write finds its cluster unallocated for most of a
         // run (a 1 GiB image has 262144 of them), so allocating writes dominate.
         make_qcow2(&config.qcow2_fresh_image, config.size, 4096, "off")?;
+    }
+    if kind == ImageKind::Qcow2DiskFresh {
+        // 4 KiB clusters too, so that allocating writes dominate on the device as well.
+        make_qcow2(&config.qcow2_disk_fresh_image, config.size, 4096, "off")?;
     }
     let mut backend = Backend::start(target, kind, workload.queues, config)?;
     let image = config.image(kind);
@@ -1073,6 +1123,19 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
                     "`qcow2-fresh`: an empty qcow2 image with 4 KiB clusters in {}, made anew \
                      before every run, so that most random writes of a run allocate a cluster",
                     c.shm_dir.display()
+                ),
+                ImageKind::Qcow2Disk => format!(
+                    "`qcow2-disk`: a {} MiB qcow2 image (64 KiB clusters) converted by \
+                     qemu-img from pseudo-random raw data, in {} on the machine's disk, synced \
+                     and dropped from the page cache, opened with O_DIRECT by both targets",
+                    c.size >> 20,
+                    c.disk_dir.display()
+                ),
+                ImageKind::Qcow2DiskFresh => format!(
+                    "`qcow2-disk-fresh`: an empty qcow2 image with 4 KiB clusters in {} on the \
+                     machine's disk, made anew before every run, opened with O_DIRECT by both \
+                     targets: allocating writes on a device",
+                    c.disk_dir.display()
                 ),
                 ImageKind::Disk => format!(
                     "`disk`: a {} MiB raw file in {} on the machine's disk ({}), filled with \

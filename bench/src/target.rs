@@ -97,6 +97,10 @@ pub struct BackendConfig {
     pub qcow2_image: PathBuf,
     /// The fresh qcow2 image (tmpfs), made anew before every run.
     pub qcow2_fresh_image: PathBuf,
+    /// The allocated qcow2 image on the real disk.
+    pub qcow2_disk_image: PathBuf,
+    /// The fresh qcow2 image on the real disk, made anew before every run.
+    pub qcow2_disk_fresh_image: PathBuf,
     /// CPUs for the back-end; `None` leaves it unpinned.
     pub cpus: Option<CpuList>,
     /// Where the sockets and logs go.
@@ -111,6 +115,8 @@ impl BackendConfig {
             ImageKind::Disk => Some(&self.disk_image),
             ImageKind::Qcow2 => Some(&self.qcow2_image),
             ImageKind::Qcow2Fresh => Some(&self.qcow2_fresh_image),
+            ImageKind::Qcow2Disk => Some(&self.qcow2_disk_image),
+            ImageKind::Qcow2DiskFresh => Some(&self.qcow2_disk_fresh_image),
             ImageKind::Null => None,
         }
     }
@@ -119,7 +125,7 @@ impl BackendConfig {
     pub fn direct(&self, kind: ImageKind) -> bool {
         match kind {
             ImageKind::Shm | ImageKind::Qcow2 | ImageKind::Qcow2Fresh => self.shm_direct,
-            ImageKind::Disk => true,
+            ImageKind::Disk | ImageKind::Qcow2Disk | ImageKind::Qcow2DiskFresh => true,
             ImageKind::Null => false,
         }
     }
@@ -164,7 +170,7 @@ pub fn command(
                 ImageKind::Shm | ImageKind::Qcow2 | ImageKind::Qcow2Fresh if !direct => {
                     args.extend(["--cache".into(), "writeback".into()]);
                 }
-                ImageKind::Disk => args.extend(["--cache".into(), "direct".into()]),
+                kind if kind.on_disk() => args.extend(["--cache".into(), "direct".into()]),
                 _ => {}
             }
             Some((config.bin_dir.join("blkplane-frontend"), args))
@@ -445,6 +451,8 @@ mod tests {
             disk_image: "/var/tmp/x.img".into(),
             qcow2_image: "/dev/shm/x.qcow2".into(),
             qcow2_fresh_image: "/dev/shm/fresh.qcow2".into(),
+            qcow2_disk_image: "/var/tmp/x.qcow2".into(),
+            qcow2_disk_fresh_image: "/var/tmp/fresh.qcow2".into(),
             size: 1 << 30,
             shm_direct: true,
             cpus: None,
@@ -495,6 +503,19 @@ mod tests {
         );
         assert!(command(Target::Ceiling, ImageKind::Qcow2, 1, &config, socket).is_none());
         assert!(command(Target::Ch, ImageKind::Qcow2Fresh, 1, &config, socket).is_none());
+        // qcow2 on the disk: O_DIRECT for both, whatever --direct says for tmpfs.
+        assert_eq!(
+            line(Target::Blkplane, ImageKind::Qcow2DiskFresh),
+            "/b/blkplane-frontend --socket /w/s.sock --image /var/tmp/fresh.qcow2 --num-queues 2 \
+             --iothreads 2 --format qcow2 --cache direct"
+        );
+        let qsd = line(Target::Qsd, ImageKind::Qcow2Disk);
+        assert!(
+            qsd.contains("filename=/var/tmp/x.qcow2,aio=io_uring,cache.direct=on")
+                && qsd.contains("driver=qcow2,node-name=disk0,file=file0"),
+            "{qsd}"
+        );
+        assert!(command(Target::Ch, ImageKind::Qcow2Disk, 1, &config, socket).is_none());
         // cloud-hypervisor: its one option, a fresh process per run; no null image.
         assert_eq!(
             line(Target::Ch, ImageKind::Disk),

@@ -166,21 +166,38 @@ pub enum ImageKind {
     /// A fresh (empty) qcow2 image in tmpfs with 4 KiB clusters, made anew for every run:
     /// writes allocate.
     Qcow2Fresh,
+    /// A qcow2 image on the real disk (64 KiB clusters, every one allocated, converted from
+    /// pseudo-random raw data), opened with O_DIRECT: the metadata lookup on top of a device.
+    Qcow2Disk,
+    /// A fresh (empty) qcow2 image on the real disk with 4 KiB clusters, made anew for every
+    /// run and opened with O_DIRECT: allocating writes on a device.
+    Qcow2DiskFresh,
 }
 
 impl ImageKind {
     /// Every image kind, in report order.
-    pub const ALL: [ImageKind; 5] = [
+    pub const ALL: [ImageKind; 7] = [
         ImageKind::Shm,
         ImageKind::Null,
         ImageKind::Disk,
         ImageKind::Qcow2,
         ImageKind::Qcow2Fresh,
+        ImageKind::Qcow2Disk,
+        ImageKind::Qcow2DiskFresh,
     ];
 
     /// Whether this is a qcow2 image.
     pub fn is_qcow2(self) -> bool {
-        matches!(self, Self::Qcow2 | Self::Qcow2Fresh)
+        matches!(
+            self,
+            Self::Qcow2 | Self::Qcow2Fresh | Self::Qcow2Disk | Self::Qcow2DiskFresh
+        )
+    }
+
+    /// Whether the image is a file on the machine's real disk (`--disk-dir`), opened with
+    /// O_DIRECT by every target.
+    pub fn on_disk(self) -> bool {
+        matches!(self, Self::Disk | Self::Qcow2Disk | Self::Qcow2DiskFresh)
     }
 
     /// The name used on the command line and in the report.
@@ -191,6 +208,8 @@ impl ImageKind {
             Self::Disk => "disk",
             Self::Qcow2 => "qcow2",
             Self::Qcow2Fresh => "qcow2-fresh",
+            Self::Qcow2Disk => "qcow2-disk",
+            Self::Qcow2DiskFresh => "qcow2-disk-fresh",
         }
     }
 
@@ -207,10 +226,10 @@ impl ImageKind {
             (Self::Null, Target::Ch) => {
                 Some("cloud-hypervisor's vhost_user_block serves image files only")
             }
-            (Self::Qcow2 | Self::Qcow2Fresh, Target::Ceiling) => {
+            (kind, Target::Ceiling) if kind.is_qcow2() => {
                 Some("io_uring on the file cannot read qcow2")
             }
-            (Self::Qcow2 | Self::Qcow2Fresh, Target::Ch) => {
+            (kind, Target::Ch) if kind.is_qcow2() => {
                 Some("not measured: the peer row compares qsd on the same qcow2 file")
             }
             _ => None,

@@ -241,10 +241,13 @@ struct Core {
     pending: VecDeque<Token>,
     /// Slots between `begin` and their completion.
     in_flight: usize,
-    /// qcow2 discards and unmapping write-zeroes waiting for the writes in flight into their
-    /// range (see `engine/chain.rs`); each slot at most once, so the capacity reserved at
+    /// qcow2 requests waiting: discards and unmapping write-zeroes for the writes in flight
+    /// into their range, transfers and zeroings for the allocating writes in flight in their
+    /// L2 tables (see `engine/chain.rs`); each slot at most once, so the capacity reserved at
     /// setup is never exceeded.
     parked: VecDeque<u32>,
+    /// Per slot, its qcow2 allocating write whose data is on its way (see `engine/chain.rs`).
+    allocations: Vec<Option<chain::AllocatingWrite>>,
     /// A control message is waiting to be read.
     control_ready: bool,
     /// A `SetMemoryTable` or `Shutdown` waiting for the requests in flight to finish.
@@ -338,6 +341,11 @@ impl Engine {
         parked
             .try_reserve_exact(count as usize)
             .map_err(|_| EngineError::Alloc(count))?;
+        let mut allocations = Vec::new();
+        allocations
+            .try_reserve_exact(count as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
+        allocations.resize_with(count as usize, || None);
         info!(
             "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}{}",
             uring.params().sq_entries(),
@@ -372,6 +380,7 @@ impl Engine {
                 pending,
                 in_flight: 0,
                 parked,
+                allocations,
                 control_ready: false,
                 held: None,
                 deferred: None,
@@ -775,6 +784,7 @@ impl Core {
                     return None;
                 };
                 let buffered = types::Fd(buffered.as_raw_fd());
+                let allocating = self.is_allocating(slot);
                 let state = self.states.get_mut(slot as usize)?;
                 if state.stage() != Some(stage) {
                     error!(
@@ -785,7 +795,11 @@ impl Core {
                 }
                 match stage {
                     Stage::Transfer => {
-                        let block_size = self.image.direct().map(|_| self.image.block_size());
+                        let block_size = self
+                            .image
+                            .direct()
+                            .filter(|_| !allocating)
+                            .map(|_| self.image.block_size());
                         let transfer = state.next_transfer(block_size);
                         let Some(fd) = transfer_fd(&self.image, &transfer) else {
                             error!(
@@ -880,6 +894,9 @@ impl Core {
                         "the image does not support some fallocate modes; now using {:?}",
                         self.support
                     );
+                }
+                if stage == Stage::Transfer && self.is_allocating(slot) {
+                    return self.allocation_transferred(slot, step);
                 }
                 self.apply(slot, step)?;
             }

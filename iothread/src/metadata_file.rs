@@ -184,6 +184,13 @@ fn read_header(file: &File) -> Option<[u8; HEADER_FIELDS]> {
     Some(header)
 }
 
+/// The cluster size of the qcow2 image in `file`, as log2 (`cluster_bits`, 9 to 21); `None`
+/// if the header is short or says something else.
+pub fn cluster_bits(file: &File) -> Option<u32> {
+    let bits = be::<4>(&read_header(file)?, 20)?;
+    u32::try_from(bits).ok().filter(|b| (9..=21).contains(b))
+}
+
 /// The pointer structures (header cluster, L1 table, refcount table) that `header` names;
 /// empty when it cannot say (imago refuses such an image).
 fn pointer_ranges(header: &[u8; HEADER_FIELDS]) -> Vec<Range<u64>> {

@@ -6,10 +6,12 @@
 //!
 //! imago is used in its `sync` mode (no async runtime, plain `pread`/`pwrite` for metadata):
 //! a lookup that hits its L2 cache makes no system call; a miss, an allocation or a zeroing
-//! costs the loop exactly the metadata I/O it needs. Every call into imago runs to its end
-//! before the loop goes on, so no imago lock is ever held across the loop and no other request
-//! can find one taken (its locks are not reentrant: a prepared allocation kept open across the
-//! loop would deadlock the next allocation in the same L2 table).
+//! costs the loop exactly the metadata I/O it needs (an allocation also copies what its write
+//! leaves of the old data into the new cluster, through imago). Every call into imago runs to
+//! its end before the loop goes on. One thing is held across the loop: a prepared allocation
+//! ([`Qcow2Image::prepare_allocation`]) keeps its L2 table write-locked while its data is at
+//! the device, and imago's locks are not reentrant, so the engine starts nothing else that
+//! locks that table (see [`Qcow2Image::l2_table_of`] and `engine/chain.rs`).
 //!
 //! Crash consistency: an allocating write writes its data into the prepared cluster first and
 //! only then commits the mapping, and every metadata change is written back to the file (the
@@ -128,6 +130,40 @@ impl Extent {
     }
 }
 
+/// An allocating write prepared by [`Qcow2Image::prepare_allocation`]: where its data goes.
+/// Dropping it without [`Qcow2Image::commit_allocation`] releases the clusters it allocated
+/// (the old mapping stays).
+pub struct Allocation {
+    /// The layer whose file gets the data (the image's own, or its external data file).
+    pub layer: usize,
+    /// Offset in that file of the write's first byte.
+    pub host_offset: u64,
+    /// Bytes mapped there, contiguous (at most what was asked).
+    pub len: u64,
+    /// imago's state of the prepared mapping (it holds the L2 table's write lock); `None`
+    /// when the range was mapped already.
+    state: Option<Box<dyn std::any::Any>>,
+}
+
+impl Allocation {
+    /// Whether it must be committed to become visible (false: the range was mapped already,
+    /// by an allocation that ended meanwhile, and nothing is locked).
+    pub fn needs_commit(&self) -> bool {
+        self.state.is_some()
+    }
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocation")
+            .field("layer", &self.layer)
+            .field("host_offset", &self.host_offset)
+            .field("len", &self.len)
+            .field("prepared", &self.state.is_some())
+            .finish()
+    }
+}
+
 /// One file of the chain: what the engine's own operations on it use.
 #[derive(Debug)]
 struct Layer {
@@ -154,6 +190,8 @@ pub struct Qcow2Image {
     writable: bool,
     /// Bounce buffer of compressed reads, grown to the largest one seen.
     bounce: Vec<u8>,
+    /// log2 of the guest bytes one L2 table maps.
+    l2_table_bits: u32,
 }
 
 impl std::fmt::Debug for Qcow2Image {
@@ -332,6 +370,14 @@ impl Qcow2Image {
         let (Some(top), Some(barrier)) = (below, top_barrier) else {
             return Err(Qcow2Error::RawTop);
         };
+        // imago opened the header, so its cluster size is one qcow2 allows (9..=21 bits); an
+        // L2 table holds cluster size / 8 entries (no extended L2 entries: imago refuses them).
+        let l2_table_bits = crate::metadata_file::cluster_bits(barrier.file_ref())
+            .map(|bits| bits.saturating_mul(2).saturating_sub(3))
+            .ok_or(Qcow2Error::ChainMismatch {
+                layer: 0,
+                problem: "has no cluster size in its header",
+            })?;
         let raw_data_file = layers
             .get(1)
             .filter(|l| l.top && has_raw_external_data(barrier.file_ref()))
@@ -349,6 +395,7 @@ impl Qcow2Image {
             layers,
             writable,
             bounce: Vec::new(),
+            l2_table_bits,
         })
     }
 
@@ -430,35 +477,87 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// An allocating write of the `len` bytes at guest offset `offset` (a cluster the image
-    /// does not own yet: unallocated, in a backing file, a zero or compressed cluster): imago
-    /// prepares a new cluster (copying what the write does not cover from below), `write`
-    /// writes the data to it (`write(fd, host_offset, bytes)`, all of them or an error), and
-    /// only then is the mapping committed and the metadata written back. Returns how many of
-    /// the `len` bytes were mapped and written (the rest takes another call).
+    /// An allocating write of the `len` bytes at guest offset `offset` done at once: the
+    /// allocation is prepared ([`Qcow2Image::prepare_allocation`]), `write` writes the data to
+    /// it (`write(fd, host_offset, bytes)`, all of them or an error), and only then is it
+    /// committed ([`Qcow2Image::commit_allocation`]). Returns how many of the `len` bytes were
+    /// mapped and written (the rest takes another call).
     pub fn allocating_write(
         &self,
         offset: u64,
         len: u64,
         write: impl FnOnce(RawFd, u64, u64) -> io::Result<()>,
     ) -> io::Result<u64> {
+        let allocation = self.prepare_allocation(offset, len)?;
+        let fd = self
+            .layer_fd(allocation.layer)
+            .ok_or_else(|| io::Error::other("allocation outside the image's files"))?;
+        // Dropping `allocation` on an error releases the prepared cluster: the old mapping
+        // stays.
+        write(fd, allocation.host_offset, allocation.len)?;
+        let len = allocation.len;
+        self.commit_allocation(allocation)?;
+        Ok(len)
+    }
+
+    /// Prepares an allocating write of (at most) the `len` bytes at guest offset `offset`, a
+    /// range of one L2 table that the image does not own yet (unallocated, in a backing file,
+    /// a zero or compressed cluster): imago allocates new clusters and copies into them what
+    /// the write leaves of the old data (from the backing file). The range keeps reading as
+    /// before until [`Qcow2Image::commit_allocation`]; dropping the allocation instead
+    /// releases its clusters.
+    ///
+    /// While it is prepared, imago holds the write lock of its L2 table (see
+    /// [`Qcow2Image::l2_table_of`]), and its locks are not reentrant: nothing may prepare
+    /// another allocation, zero or discard clusters, or read a compressed cluster in that
+    /// table until the allocation is committed or dropped — the calling thread would wait for
+    /// itself.
+    pub fn prepare_allocation(&self, offset: u64, len: u64) -> io::Result<Allocation> {
         if !self.writable {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
         let prepared = self.top.prepare_data_mapping(offset, len, true)?;
         let ptr: *const ImagoFile = prepared.storage();
-        let fd = self
+        let layer = self
             .layers
             .iter()
-            .find(|l| l.top && std::ptr::eq(l.storage, ptr))
-            .map(|l| l.fd)
+            .position(|l| l.top && std::ptr::eq(l.storage, ptr))
             .ok_or_else(|| io::Error::other("allocation outside the image's files"))?;
-        let mapped = prepared.length().min(len);
-        // Dropping `prepared` on an error releases the prepared cluster: the old mapping stays.
-        write(fd, prepared.offset(), mapped)?;
+        Ok(Allocation {
+            layer,
+            host_offset: prepared.offset(),
+            len: prepared.length().min(len),
+            state: prepared.into_state(),
+        })
+    }
+
+    /// Makes a prepared allocation visible once its data is in the file, and writes the
+    /// metadata back (the page cache; fdatasync at the guest's flush).
+    pub fn commit_allocation(&self, allocation: Allocation) -> io::Result<()> {
+        let Some(state) = allocation.state else {
+            // The range was mapped already: nothing to commit.
+            return Ok(());
+        };
+        // imago's qcow2 driver commits from the state alone; the storage and offsets of the
+        // handle it is carried in are not looked at again.
+        let storages = self.top.inner().collect_storage_dependencies();
+        let storage = storages
+            .first()
+            .ok_or_else(|| io::Error::other("the image has no file"))?;
+        let prepared = imago::format::drivers::PreparedDataMapping::to_commit(
+            *storage,
+            allocation.host_offset,
+            allocation.len,
+            state,
+        );
         self.top.commit_data_mapping(prepared)?;
-        self.write_back()?;
-        Ok(mapped)
+        self.write_back()
+    }
+
+    /// The L2 table that maps guest offset `offset`: an allocation prepared in it locks it
+    /// (see [`Qcow2Image::prepare_allocation`]). Each table maps `cluster size / 8` clusters.
+    pub fn l2_table_of(&self, offset: u64) -> u64 {
+        offset.checked_shr(self.l2_table_bits).unwrap_or(0)
     }
 
     /// Zeroes the range (write-zeroes): with `unmap`, whole clusters become zero clusters
@@ -613,8 +712,9 @@ mod tests {
         p.to_str().unwrap()
     }
 
-    /// A raw base of `len` bytes of a pattern and a qcow2 overlay on it (64 KiB clusters).
-    fn overlay_on_pattern(dir: &Path, len: u64) -> (PathBuf, PathBuf) {
+    /// A raw base of `len` bytes of a pattern and a qcow2 overlay on it with `cluster` bytes
+    /// per cluster.
+    fn overlay_on_pattern(dir: &Path, len: u64, cluster: u64) -> (PathBuf, PathBuf) {
         let base = dir.join("base.raw");
         let bytes: Vec<u8> = (0..len).map(|i| (i / 512 % 251) as u8 | 1).collect();
         std::fs::write(&base, bytes).unwrap();
@@ -625,7 +725,7 @@ mod tests {
             "-f",
             "qcow2",
             "-o",
-            "cluster_size=65536",
+            &format!("cluster_size={cluster}"),
             "-F",
             "raw",
             "-b",
@@ -687,6 +787,63 @@ mod tests {
         }
     }
 
+    /// Allocations prepared in different L2 tables stay open together while their data is
+    /// written, read as before until each is committed, commit in any order, and one dropped
+    /// instead leaves its range as it was.
+    #[test]
+    fn prepared_allocations_are_invisible_until_committed() {
+        let dir = Dir::new("prepare");
+        // 4 KiB clusters: an L2 table maps 512 of them, 2 MiB.
+        let (base, top) = overlay_on_pattern(&dir.0, 8 * MIB, 4096);
+        let base_bytes = std::fs::read(&base).unwrap();
+        let image = open(&top, &base);
+        assert_eq!(image.l2_table_of(2 * MIB - 1), 0);
+        assert_eq!(image.l2_table_of(2 * MIB), 1);
+        assert_eq!(image.l2_table_of(7 * MIB), 3);
+        let first_at = 4096 + 512;
+        let second_at = 2 * MIB + 8192;
+        let dropped_at = 6 * MIB;
+        // Each 1 KiB into its cluster: the rest is copied from the base when it is prepared.
+        let first = image.prepare_allocation(first_at, 1024).unwrap();
+        let second = image.prepare_allocation(second_at, 1024).unwrap();
+        let dropped = image.prepare_allocation(dropped_at, 4096).unwrap();
+        assert_eq!((first.len, second.len, dropped.len), (1024, 1024, 4096));
+        assert!(first.needs_commit() && second.needs_commit() && dropped.needs_commit());
+        let fd = image.layer_fd(first.layer).unwrap();
+        pwrite(fd, first.host_offset, &[0x51; 1024]).unwrap();
+        pwrite(fd, second.host_offset, &[0x52; 1024]).unwrap();
+        pwrite(fd, dropped.host_offset, &[0x53; 4096]).unwrap();
+        for at in [first_at, second_at, dropped_at] {
+            let Extent::Data { layer: 1, .. } = image.map(at, 1024).unwrap() else {
+                panic!("{at}: not the base's data before the commit");
+            };
+        }
+        image.commit_allocation(second).unwrap();
+        image.commit_allocation(first).unwrap();
+        drop(dropped);
+        image.flush_metadata().unwrap();
+        for (at, byte) in [(first_at, 0x51u8), (second_at, 0x52)] {
+            assert_bytes(
+                &read_as_engine(&image, at, 1024),
+                &[byte; 1024],
+                &format!("the write at {at}"),
+            );
+            let cluster = at & !4095;
+            let head = (at - cluster) as usize;
+            assert_bytes(
+                &read_as_engine(&image, cluster, head as u64),
+                &base_bytes[cluster as usize..at as usize],
+                &format!("the head of the cluster at {cluster}, copied from the base"),
+            );
+        }
+        let Extent::Data { layer: 1, .. } = image.map(dropped_at, 4096).unwrap() else {
+            panic!("the dropped allocation became visible");
+        };
+        drop(image);
+        let (code, out) = qemu_img(&["check", path(&top)]);
+        assert_eq!(code, 0, "qemu-img check: {out}");
+    }
+
     /// A grow moves imago's L1 table (it always does) and frees the old one. Allocating writes
     /// after it copy the rest of their cluster from the backing file through imago; that copy
     /// must reach the file before the write's own data, and never after data written to the
@@ -694,7 +851,7 @@ mod tests {
     #[test]
     fn writes_after_a_grow_keep_their_data() {
         let dir = Dir::new("grow");
-        let (base, top) = overlay_on_pattern(&dir.0, 4 * MIB);
+        let (base, top) = overlay_on_pattern(&dir.0, 4 * MIB, CLUSTER);
         let base_bytes = std::fs::read(&base).unwrap();
         let mut image = open(&top, &base);
         // The L2 table exists before the grow, so the next allocation after it is a data

@@ -6,9 +6,12 @@
 //! - a read of zeros (unallocated down the whole chain, a zero cluster) zero-fills the guest
 //!   buffers without I/O, and a read of a compressed cluster goes through imago;
 //! - a write into a cluster the image does not own yet is an allocating write: imago prepares
-//!   the cluster (copy-on-write of what the write leaves), the data is written into it with
-//!   `pwritev`, and only then is the mapping committed and the metadata written back, all
-//!   before the loop goes on (see [`crate::qcow2`] for why it holds nothing across the loop);
+//!   the cluster (copy-on-write of what the write leaves), the data is written into it, and
+//!   only then is the mapping committed and the metadata written back. On an image whose
+//!   transfers go through io_uring the data write is an io_uring write like any other, and
+//!   the loop serves other requests until it lands ([`Core::start_allocation`]); the
+//!   requests that would need the allocation's L2 table locked wait parked meanwhile. On an
+//!   image served inline (memory-fast) the whole allocation runs on the spot;
 //! - write-zeroes and discard become zero clusters through imago (one that frees clusters
 //!   first waits for the writes at the device into its range); a flush writes the metadata
 //!   back before its fdatasync.
@@ -25,11 +28,38 @@ use blkplane_proto::ring::Opcode;
 use log::{info, warn};
 
 use super::{Core, EngineError, Token};
-use crate::qcow2::Extent;
+use crate::qcow2::{Allocation, Extent};
 use crate::slot::{self, RangeMode, Stage, Step, TransferTarget};
 
 /// The most bytes one mapped transfer moves, so that its byte count is a valid result.
 const MAX_EXTENT: u64 = 1 << 30;
+
+/// The most allocating writes whose data may be at the device at once. Each keeps its L2
+/// table locked and pinned in imago's L2 cache (128 tables), which fails a lookup when every
+/// table in it is pinned.
+const MAX_ALLOCATING: usize = 16;
+
+/// An allocating write whose data is on its way to the file: its prepared (uncommitted)
+/// allocation, kept per slot until the data has landed.
+#[derive(Debug)]
+pub(super) struct AllocatingWrite {
+    /// The L2 table it locks ([`crate::qcow2::Qcow2Image::l2_table_of`]).
+    table: u64,
+    /// The guest offset of its first byte.
+    guest_start: u64,
+    /// Where its data goes.
+    allocation: Allocation,
+}
+
+/// What [`Core::next_extent`] did with the slot's next extent.
+enum Next {
+    /// Handed to io_uring, or parked.
+    Queued,
+    /// Done on the spot: what the slot's state machine makes of it.
+    Step(Step),
+    /// An allocating write of `len` bytes at guest offset `offset` to start.
+    Allocate { offset: u64, len: u64 },
+}
 
 /// The errno of an imago error: the system call's, or `EIO` for a metadata problem.
 fn errno_of(e: &io::Error) -> i32 {
@@ -42,33 +72,34 @@ impl Core {
     pub(super) fn map_transfer(&mut self, slot: u32) -> Result<(), EngineError> {
         loop {
             match self.next_extent(slot)? {
-                None => return Ok(()),
-                Some(Step::Issue(Stage::Transfer)) => continue,
-                Some(step) => return self.apply(slot, step),
+                Next::Queued => return Ok(()),
+                Next::Step(Step::Issue(Stage::Transfer)) => continue,
+                Next::Step(step) => return self.apply(slot, step),
+                Next::Allocate { offset, len } => return self.start_allocation(slot, offset, len),
             }
         }
     }
 
-    /// Maps and runs the slot's next extent: `None` when it went to io_uring, else what the
-    /// slot's state machine makes of it.
-    fn next_extent(&mut self, slot: u32) -> Result<Option<Step>, EngineError> {
+    /// Maps and runs the slot's next extent, or says it is an allocating write to start.
+    fn next_extent(&mut self, slot: u32) -> Result<Next, EngineError> {
         let count = self.slots.count();
         let bad_slot = EngineError::BadSlot { slot, count };
         let Core { states, image, .. } = self;
         let state = states.get_mut(slot as usize).ok_or(bad_slot)?;
+        let inline = image.transfers_inline();
         let Some(chain) = image.qcow2_chain_mut() else {
-            return Ok(Some(state.fail(libc::EBADF)));
+            return Ok(Next::Step(state.fail(libc::EBADF)));
         };
         let offset = state.guest_offset();
         let write = state.opcode() == Opcode::Write;
         let extent = match chain.map(offset, state.remaining().min(MAX_EXTENT)) {
             Ok(extent) if !extent.is_empty() => extent,
-            Ok(_) => return Ok(Some(state.fail(libc::EIO))),
+            Ok(_) => return Ok(Next::Step(state.fail(libc::EIO))),
             Err(e) => {
                 if self.complaints.should_log() {
                     warn!("slot {slot}: mapping guest offset {offset}: {e}");
                 }
-                return Ok(Some(state.fail(errno_of(&e))));
+                return Ok(Next::Step(state.fail(errno_of(&e))));
             }
         };
         let step = match (extent, write) {
@@ -86,15 +117,15 @@ impl Core {
                     host_offset,
                     limit: len,
                 });
-                if image.transfers_inline() {
-                    return self.inline_call(slot).map(Some);
+                if inline {
+                    return self.inline_call(slot).map(Next::Step);
                 }
                 self.counters.count_queued();
                 self.pending.push_back(Token::Slot {
                     slot,
                     stage: Stage::Transfer,
                 });
-                return Ok(None);
+                return Ok(Next::Queued);
             }
             (Extent::Zero { len }, false) => {
                 let transfer = limited(state, len);
@@ -107,6 +138,14 @@ impl Core {
                 state.on_transfer(result_of(transfer.len))
             }
             (Extent::Compressed { len }, false) => {
+                // imago's compressed read takes its L2 table's lock for reading.
+                if allocating_in(
+                    &self.allocations,
+                    chain.l2_table_of(offset)..=chain.l2_table_of(offset),
+                ) {
+                    self.parked.push_back(slot);
+                    return Ok(Next::Queued);
+                }
                 let transfer = limited(state, len);
                 // SAFETY: as above, the iovecs describe guest memory mapped writable.
                 match unsafe { chain.read_through(offset, transfer.len, iovecs_of(&transfer)) } {
@@ -119,6 +158,13 @@ impl Core {
                     }
                 }
             }
+            (extent, _) if !inline => {
+                return Ok(Next::Allocate {
+                    offset,
+                    len: extent.len(),
+                })
+            }
+            // An image served inline is memory-fast: the whole allocation runs on the spot.
             (extent, _) => {
                 let result =
                     chain.allocating_write(offset, extent.len(), |fd, host_offset, len| {
@@ -141,7 +187,149 @@ impl Core {
                 }
             }
         };
-        Ok(Some(step))
+        Ok(Next::Step(step))
+    }
+
+    /// Starts an allocating write of the slot's next `len` bytes at guest offset `offset` (one
+    /// L2 table's at most, as mapped): imago prepares the new clusters here (metadata I/O, and
+    /// the copy-on-write of what the write leaves of the old data), the data goes to io_uring
+    /// like any transfer, and the mapping is committed once it has landed
+    /// ([`Core::allocation_transferred`]); the loop serves the other requests meanwhile, and
+    /// the range reads as before until the commit.
+    ///
+    /// The data goes through the buffered fd even where the image has an O_DIRECT one: the
+    /// allocation holds its L2 table locked until then, so it is kept at page-cache speed, and
+    /// the new cluster reaches the disk with the metadata at the guest's next flush.
+    ///
+    /// An allocation into an L2 table with one in flight already (imago's table lock is not
+    /// reentrant: preparing it would wait for itself) or beyond [`MAX_ALLOCATING`] is parked
+    /// until the next completions.
+    fn start_allocation(&mut self, slot: u32, offset: u64, len: u64) -> Result<(), EngineError> {
+        let count = self.slots.count();
+        let Core {
+            states,
+            image,
+            allocations,
+            parked,
+            ..
+        } = self;
+        let state = states
+            .get_mut(slot as usize)
+            .ok_or(EngineError::BadSlot { slot, count })?;
+        let Some(chain) = image.qcow2_chain() else {
+            let step = state.fail(libc::EBADF);
+            return self.apply(slot, step);
+        };
+        let table = chain.l2_table_of(offset);
+        if allocations.iter().flatten().count() >= MAX_ALLOCATING
+            || allocating_in(allocations, table..=table)
+        {
+            parked.push_back(slot);
+            return Ok(());
+        }
+        let allocation = match chain.prepare_allocation(offset, len) {
+            Ok(allocation) => allocation,
+            Err(e) => {
+                if self.complaints.should_log() {
+                    warn!("slot {slot}: allocating {len} bytes at {offset}: {e}");
+                }
+                let step = state.fail(errno_of(&e));
+                return self.apply(slot, step);
+            }
+        };
+        state.set_target(TransferTarget {
+            layer: allocation.layer,
+            host_offset: allocation.host_offset,
+            limit: allocation.len,
+        });
+        if allocation.needs_commit() {
+            let record = allocations
+                .get_mut(slot as usize)
+                .ok_or(EngineError::BadSlot { slot, count })?;
+            *record = Some(AllocatingWrite {
+                table,
+                guest_start: offset,
+                allocation,
+            });
+        }
+        self.counters.count_queued();
+        self.pending.push_back(Token::Slot {
+            slot,
+            stage: Stage::Transfer,
+        });
+        Ok(())
+    }
+
+    /// Whether the slot's transfer in flight is an allocating write's (its data goes through
+    /// the buffered fd, and its result goes to [`Core::allocation_transferred`]).
+    pub(super) fn is_allocating(&self, slot: u32) -> bool {
+        self.allocations
+            .get(slot as usize)
+            .is_some_and(Option::is_some)
+    }
+
+    /// Takes what the slot's state machine made of an allocating write's transfer result: the
+    /// rest of a short write goes to the same clusters; once all of its bytes have landed the
+    /// allocation is committed (a failure to commit fails the request, and the range keeps
+    /// its old data); a failed write drops it, which releases its clusters.
+    pub(super) fn allocation_transferred(
+        &mut self,
+        slot: u32,
+        step: Step,
+    ) -> Result<(), EngineError> {
+        let count = self.slots.count();
+        let bad_slot = EngineError::BadSlot { slot, count };
+        let Core {
+            states,
+            image,
+            allocations,
+            ..
+        } = self;
+        let (Some(state), Some(record)) = (
+            states.get_mut(slot as usize),
+            allocations.get_mut(slot as usize),
+        ) else {
+            return Err(bad_slot);
+        };
+        let Some(write) = record.take() else {
+            return self.apply(slot, step);
+        };
+        let guest_end = write.guest_start.saturating_add(write.allocation.len);
+        let step = match step {
+            Step::Issue(Stage::Transfer) if state.guest_offset() < guest_end => {
+                let done = state.guest_offset().saturating_sub(write.guest_start);
+                state.set_target(TransferTarget {
+                    layer: write.allocation.layer,
+                    host_offset: write.allocation.host_offset.saturating_add(done),
+                    limit: guest_end.saturating_sub(state.guest_offset()),
+                });
+                *record = Some(write);
+                self.counters.count_queued();
+                self.pending.push_back(Token::Slot {
+                    slot,
+                    stage: Stage::Transfer,
+                });
+                return Ok(());
+            }
+            // Dropping the allocation releases its clusters.
+            failed @ Step::Failed(_) => failed,
+            step => match image.qcow2_chain() {
+                Some(chain) => match chain.commit_allocation(write.allocation) {
+                    Ok(()) => step,
+                    Err(e) => {
+                        if self.complaints.should_log() {
+                            warn!(
+                                "slot {slot}: committing the allocation at {}: {e}",
+                                write.guest_start
+                            );
+                        }
+                        state.fail(errno_of(&e))
+                    }
+                },
+                None => state.fail(libc::EBADF),
+            },
+        };
+        self.apply(slot, step)
     }
 
     /// Runs a write-zeroes' or discard's ranges on a qcow2 image, one after the other, through
@@ -162,6 +350,7 @@ impl Core {
                 image,
                 support,
                 parked,
+                allocations,
                 ..
             } = self;
             let Some((range, opcode)) = states
@@ -173,6 +362,17 @@ impl Core {
             let unmap = range.is_some_and(|r| r.mode == RangeMode::PunchHole.flags());
             if let Some(range) = range.filter(|_| opcode == Opcode::Discard || unmap) {
                 if write_at_device_over(states, slot, range.offset, range.len) {
+                    parked.push_back(slot);
+                    return Ok(());
+                }
+            }
+            // imago zeroes and discards under the write locks of the range's L2 tables.
+            if let (Some(range), Some(chain)) = (range, image.qcow2_chain()) {
+                let last = range.offset.saturating_add(range.len.saturating_sub(1));
+                if allocating_in(
+                    allocations,
+                    chain.l2_table_of(range.offset)..=chain.l2_table_of(last),
+                ) {
                     parked.push_back(slot);
                     return Ok(());
                 }
@@ -207,8 +407,9 @@ impl Core {
         }
     }
 
-    /// Runs the parked discards again (each parks itself anew while its range is still being
-    /// written).
+    /// Runs the parked requests again: discards and zeroings waiting for the writes into
+    /// their range, transfers waiting for an allocation in their L2 table (each parks itself
+    /// anew while it still has to wait).
     #[cold]
     pub(super) fn retry_parked(&mut self) -> Result<(), EngineError> {
         for _ in 0..self.parked.len() {
@@ -216,7 +417,15 @@ impl Core {
             let Some(slot) = self.parked.pop_front() else {
                 break;
             };
-            self.zero_or_discard(slot)?;
+            match self
+                .states
+                .get(slot as usize)
+                .and_then(slot::SlotState::stage)
+            {
+                Some(Stage::Transfer) => self.map_transfer(slot)?,
+                Some(Stage::Range) => self.zero_or_discard(slot)?,
+                stage => warn!("slot {slot}: parked in stage {stage:?}, which never waits"),
+            }
         }
         Ok(())
     }
@@ -249,6 +458,17 @@ impl Core {
         warn!("slot {slot}: writing the qcow2 metadata back: {error}");
         Some(self.states.get_mut(slot as usize)?.fail(errno_of(&error)))
     }
+}
+
+/// Whether an allocating write in flight locks one of the L2 tables `tables`.
+fn allocating_in(
+    allocations: &[Option<AllocatingWrite>],
+    tables: std::ops::RangeInclusive<u64>,
+) -> bool {
+    allocations
+        .iter()
+        .flatten()
+        .any(|write| tables.contains(&write.table))
 }
 
 /// Whether a write other than `slot`'s has a transfer queued or at the device that may land
