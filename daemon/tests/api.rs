@@ -1617,6 +1617,39 @@ async fn qcow2_disk_format_chain_and_io() {
     assert_eq!(node.runtime_files(), files);
     assert_eq!(node.ids().await, ["q"]);
 
+    // A qcow2 image whose refcounts do not cover its header (refcount table entry 0 cleared):
+    // imago cannot allocate in it, so it is refused for writing, before anything starts.
+    let corrupt = images.join("corrupt.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", &path_str(&corrupt), "8M"]);
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&corrupt)
+            .unwrap();
+        let mut rt_offset = [0u8; 8];
+        file.read_exact_at(&mut rt_offset, 48).unwrap();
+        file.write_all_at(&[0; 8], u64::from_be_bytes(rt_offset))
+            .unwrap();
+    }
+    let r = node
+        .add(AddDiskRequest::with_image("corrupt", path_str(&corrupt)))
+        .await;
+    let message = r.as_ref().err().map(|s| s.message().to_string());
+    assert_refused(
+        "refcounts that miss the header",
+        r,
+        Code::InvalidArgument,
+        "settings.image",
+    );
+    let message = message.unwrap_or_default();
+    assert!(
+        message.contains("refcounts do not cover its header") && message.contains("corrupt.qcow2"),
+        "{message}"
+    );
+    assert_eq!(node.runtime_files(), files);
+
     // A raw image that starts with qcow2's magic, served raw because it is said so
     // (blkplanectl's --format).
     let magic = images.join("magic.raw");

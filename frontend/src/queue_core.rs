@@ -108,6 +108,9 @@ pub struct SlotState {
     /// When the pass that took the request off the avail ring began
     /// ([`blkplane_proto::clock::monotonic_ns`]; one clock read per kick, not per request).
     pub popped_ns: u64,
+    /// How many iothreads died of a fault of their own while this request was in flight (see
+    /// [`QueueCore::resubmit_in_flight`]).
+    pub crashes: u8,
 }
 
 impl Default for SlotState {
@@ -119,6 +122,7 @@ impl Default for SlotState {
             bytes: 0,
             throttled: false,
             popped_ns: 0,
+            crashes: 0,
         }
     }
 }
@@ -712,6 +716,7 @@ impl QueueCore {
                 bytes: request.bytes,
                 throttled,
                 popped_ns: now_ns,
+                crashes: 0,
             },
         );
     }
@@ -761,21 +766,14 @@ impl QueueCore {
         let located = status.and_then(|(addr, value)| Some((memory.locate(addr)?, value)));
         let ((status_region, status_offset), value) =
             located.unwrap_or(((NO_STATUS, 0), request::STATUS_IOERR));
-        let header = SlotHeader {
-            opcode: Opcode::Answer as u32,
-            queue: local16(local),
+        let pushed = self.submit_answer(
+            slot,
+            local16(local),
             head,
-            status_region,
-            status_offset,
+            (status_region, status_offset),
             used_len,
-            answer: u32::from(value),
-            ..SlotHeader::default()
-        };
-        let pushed = self
-            .ends
-            .slots
-            .set_header(slot, header)
-            .and_then(|()| self.ends.submissions.push(slot));
+            value,
+        );
         if let Err(e) = pushed {
             error!("cannot submit answer slot {slot}: {e}");
             return self.break_ring(local, "its answer could not be submitted");
@@ -789,6 +787,7 @@ impl QueueCore {
                 bytes: 0,
                 throttled: false,
                 popped_ns: 0,
+                crashes: 0,
             },
         );
     }
@@ -984,23 +983,122 @@ impl QueueCore {
     }
 
     /// Queues for a new iothread (its ring ends attached, its rings handed over) every slot in
-    /// flight but for those waiting for the limits; returns how many.
-    pub fn resubmit_in_flight(&mut self) -> u32 {
-        let mut resubmitted = 0u32;
-        for (slot, state) in (0u32..).zip(self.slots.iter()) {
+    /// flight but for those waiting for the limits.
+    ///
+    /// `crashed`: the iothread before it died of a fault of its own (a crash signal or an
+    /// error exit, not a kill from outside). A request in flight at
+    /// [`MAX_CRASHES_IN_FLIGHT`] such deaths — one that crashes every iothread that runs it,
+    /// as an image whose metadata trips the image library does — is answered with
+    /// IOERR instead of being run again, with the others in flight then, as QEMU fails the
+    /// I/O of an image it found corrupt: the disk stays up and its other requests are served.
+    /// A death by SIGKILL (an operator, the OOM killer) never fails a request.
+    pub fn resubmit_in_flight(&mut self, crashed: bool) -> Resubmitted {
+        let mut done = Resubmitted::default();
+        for slot in 0..u32::try_from(self.slots.len()).unwrap_or(u32::MAX) {
+            let Some(state) = self.slots.get_mut(slot as usize) else {
+                break;
+            };
             if !state.in_flight || state.throttled {
+                continue;
+            }
+            if crashed {
+                state.crashes = state.crashes.saturating_add(1);
+            }
+            let (opcode, bytes, local) = (state.opcode, state.bytes, state.local_queue);
+            if state.crashes >= MAX_CRASHES_IN_FLIGHT
+                && opcode != Opcode::Answer
+                && self.fail_in_flight(slot)
+            {
+                if let Some(state) = self.slots.get_mut(slot as usize) {
+                    state.opcode = Opcode::Answer;
+                }
+                done.failed = done.failed.saturating_add(1);
+                if let Some(counters) = self.counters(usize::from(local)) {
+                    counters.answered(false);
+                }
                 continue;
             }
             // A write run again is a write: marked before the new iothread sees it.
             if let Some(bitmap) = &self.write_bitmap {
-                mark_written(bitmap, &self.ends.slots, slot, state.opcode, state.bytes);
+                mark_written(bitmap, &self.ends.slots, slot, opcode, bytes);
             }
             if self.ends.submissions.push(slot).is_ok() {
-                resubmitted = resubmitted.saturating_add(1);
+                done.resubmitted = done.resubmitted.saturating_add(1);
             }
         }
-        resubmitted
+        done
     }
+
+    /// Writes an answer slot's header — the status byte `value` at `status` (region, offset;
+    /// `NO_STATUS` for none) and a used entry of `used_len` bytes for `head` of `queue` — and
+    /// submits it.
+    fn submit_answer(
+        &mut self,
+        slot: u32,
+        queue: u16,
+        head: u16,
+        status: (u32, u64),
+        used_len: u32,
+        value: u8,
+    ) -> std::result::Result<(), RingError> {
+        let header = SlotHeader {
+            opcode: Opcode::Answer as u32,
+            queue,
+            head,
+            status_region: status.0,
+            status_offset: status.1,
+            used_len,
+            answer: u32::from(value),
+            ..SlotHeader::default()
+        };
+        self.ends
+            .slots
+            .set_header(slot, header)
+            .and_then(|()| self.ends.submissions.push(slot))
+    }
+
+    /// Turns an in-flight slot into an answer with IOERR (its status byte and used entry, as
+    /// its header located them) and submits it; false if its header cannot be rewritten.
+    fn fail_in_flight(&mut self, slot: u32) -> bool {
+        let Ok(request) = self.ends.slots.header(slot) else {
+            return false;
+        };
+        let pushed = self.submit_answer(
+            slot,
+            request.queue,
+            request.head,
+            (request.status_region, request.status_offset),
+            u32::from(request.status_region != NO_STATUS),
+            request::STATUS_IOERR,
+        );
+        match pushed {
+            Ok(()) => {
+                error!(
+                    "queue {} head {}: failed with IOERR: in flight at {MAX_CRASHES_IN_FLIGHT} \
+                     iothread crashes (the image may be corrupt)",
+                    request.queue, request.head
+                );
+                true
+            }
+            Err(e) => {
+                error!("cannot submit the failure of slot {slot}: {e}");
+                false
+            }
+        }
+    }
+}
+
+/// How many iothreads may die of a fault of their own with a request in flight before it is
+/// failed (see [`QueueCore::resubmit_in_flight`]).
+pub const MAX_CRASHES_IN_FLIGHT: u8 = 3;
+
+/// What [`QueueCore::resubmit_in_flight`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Resubmitted {
+    /// Requests handed to the new iothread to run again.
+    pub resubmitted: u32,
+    /// Requests answered with IOERR instead.
+    pub failed: u32,
 }
 
 #[cfg(test)]
@@ -1340,9 +1438,78 @@ mod tests {
             completions: fresh.completion_consumer(),
             slots: fresh.slots(),
         });
-        assert_eq!(f.core.resubmit_in_flight(), 2);
+        assert_eq!(
+            f.core.resubmit_in_flight(false),
+            Resubmitted {
+                resubmitted: 2,
+                failed: 0
+            }
+        );
         let (spec, _) = f.core.ring_handover(0).unwrap();
         assert_eq!((spec.next_used, spec.size), (0, SIZE));
+    }
+
+    /// A request in flight at every iothread death: run again after kills from outside, however
+    /// many, and after crashes until the third, which fails it with IOERR (its
+    /// status byte and used entry, through an answer slot).
+    #[test]
+    fn a_request_every_iothread_crashes_on_is_failed_with_ioerr() {
+        let mut f = fixture();
+        let mut iothread = f.ring.submission_consumer();
+        let mem = f.memory.guest_memory();
+        request(mem, 0, VIRTIO_BLK_T_IN, Some((0x8000, 512)));
+        publish(mem, 1, &[0]);
+        f.core.process_ring(0, 0);
+        f.core.publish_submissions();
+        let sent = submitted(&f, &mut iothread);
+        assert_eq!(sent.len(), 1);
+        let (slot, asked) = sent[0];
+        let slots = f.ring.slots();
+        let mut replaced = |f: &mut Fixture, crashed: bool| {
+            f.core.iothread_gone();
+            f.ring.reset_queues();
+            iothread = f.ring.submission_consumer();
+            f.core.attach(RingEnds {
+                submissions: f.ring.submission_producer(),
+                completions: f.ring.completion_consumer(),
+                slots: f.ring.slots(),
+            });
+            let done = f.core.resubmit_in_flight(crashed);
+            f.core.publish_submissions();
+            assert_eq!(submitted(f, &mut iothread).len(), 1);
+            done
+        };
+        let again = Resubmitted {
+            resubmitted: 1,
+            failed: 0,
+        };
+        for _ in 0..5 {
+            assert_eq!(replaced(&mut f, false), again, "killed from outside");
+        }
+        for _ in 1..MAX_CRASHES_IN_FLIGHT {
+            assert_eq!(replaced(&mut f, true), again);
+        }
+        assert_eq!(slots.header(slot).unwrap(), asked);
+        let failed = Resubmitted {
+            resubmitted: 0,
+            failed: 1,
+        };
+        assert_eq!(replaced(&mut f, true), failed);
+        let answer = slots.header(slot).unwrap();
+        assert_eq!(answer.opcode, Opcode::Answer as u32);
+        assert_eq!(answer.answer, u32::from(request::STATUS_IOERR));
+        assert_eq!(
+            (answer.queue, answer.head, answer.used_len),
+            (asked.queue, asked.head, 1)
+        );
+        assert_eq!(
+            (answer.status_region, answer.status_offset),
+            (asked.status_region, asked.status_offset)
+        );
+        // An answer crashes nothing: should its iothread die anyway, it is answered again.
+        assert_eq!(replaced(&mut f, true), again);
+        let errors = &f.status.queue(0).unwrap().errors;
+        assert_eq!(errors.load(Ordering::Relaxed), 1);
     }
 
     #[test]
@@ -1490,7 +1657,7 @@ mod tests {
             completions: f.ring.completion_consumer(),
             slots: f.ring.slots(),
         });
-        assert_eq!(f.core.resubmit_in_flight(), 2);
+        assert_eq!(f.core.resubmit_in_flight(false).resubmitted, 2);
         assert_eq!(take_all(&bitmap), [0, 1, 0, 0]);
     }
 

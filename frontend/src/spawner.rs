@@ -90,6 +90,28 @@ pub struct ExitStatus {
     pub status: i32,
 }
 
+impl ExitStatus {
+    /// Whether the process died of a fault of its own — a crash signal (a stack overflow or a
+    /// panic aborts, a forbidden system call is SIGSYS) or an error exit — rather than being
+    /// killed from outside (SIGKILL, SIGTERM, ...) or exiting cleanly.
+    pub fn is_own_fault(&self) -> bool {
+        if libc::WIFSIGNALED(self.status) {
+            matches!(
+                libc::WTERMSIG(self.status),
+                libc::SIGSEGV
+                    | libc::SIGBUS
+                    | libc::SIGILL
+                    | libc::SIGFPE
+                    | libc::SIGABRT
+                    | libc::SIGSYS
+                    | libc::SIGTRAP
+            )
+        } else {
+            libc::WIFEXITED(self.status) && libc::WEXITSTATUS(self.status) != 0
+        }
+    }
+}
+
 impl std::fmt::Display for ExitStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let pid = self.pid;

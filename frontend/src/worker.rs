@@ -738,7 +738,8 @@ impl Worker {
         }
         self.core.attach(self.link.ring_ends());
         self.publish_iothread_pid();
-        let how = match self.link.take_previous_exit() {
+        let previous = self.link.take_previous_exit();
+        let how = match previous {
             Some(exit) => format!("iothread {} ({exit})", self.index),
             None => format!("iothread {} (pid {})", self.index, old_pid.unwrap_or(0)),
         };
@@ -769,12 +770,19 @@ impl Worker {
                 error!("worker {}: handing the dirty log over: {e}", self.index);
             }
         }
-        let resubmitted = self.core.resubmit_in_flight();
+        let crashed = previous.is_some_and(|exit| exit.is_own_fault());
+        let done = self.core.resubmit_in_flight(crashed);
         info!(
-            "worker {}: iothread {:?} replaced by {:?}; resubmitted {resubmitted} requests",
+            "worker {}: iothread {:?} replaced by {:?}; resubmitted {} requests{}",
             self.index,
             old_pid,
-            self.link.pid()
+            self.link.pid(),
+            done.resubmitted,
+            if done.failed > 0 {
+                format!(", failed {} that every iothread crashed on", done.failed)
+            } else {
+                String::new()
+            }
         );
         self.flush();
     }

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
 use imago::{FormatAccess, Mapping};
-use log::info;
+use log::{error, info};
 
 use crate::metadata_file::{Barrier, MetadataFile};
 
@@ -251,7 +251,18 @@ impl Qcow2Image {
         mut data_file: Option<File>,
         backing: Vec<(File, LayerFormat)>,
     ) -> Result<Self, Qcow2Error> {
-        let writable = opened_writable(&top);
+        let mut writable = opened_writable(&top);
+        if writable && !blkplane_chain::header_is_refcounted(&top) {
+            // The frontend refuses to start on such an image (`blkplane_chain::open_for`), so
+            // it went bad while served — as imago's allocator leaves some corrupt images it
+            // recursed in until the iothread crashed. Served read-only from here on, as QEMU
+            // serves an image it found corrupt: writes fail with IOERR, reads go on.
+            error!(
+                "{}; serving the image read-only: writes fail until it is repaired",
+                blkplane_chain::NOT_REFCOUNTED
+            );
+            writable = false;
+        }
         let depth = backing.len();
         let mut layers: Vec<Layer> = Vec::with_capacity(depth.saturating_add(1));
         // Built from the bottom up: each layer becomes the next one's backing.
@@ -432,7 +443,9 @@ impl Qcow2Image {
                     layer,
                     host_offset,
                     len,
-                    writable: writable && self.layers.get(layer).is_some_and(|l| l.top),
+                    writable: writable
+                        && self.writable
+                        && self.layers.get(layer).is_some_and(|l| l.top),
                 }
             }
             Mapping::Zero { .. } => Extent::Zero { len },

@@ -723,3 +723,46 @@ fn allocating_writes_in_flight_together_keep_their_data() {
         println!("{name}: {} requests 32 at a time: reads saw the base, writes and zeroes read back; check clean, compare identical", ops.len());
     }
 }
+
+/// A corrupt image whose first write crashes the iothread: its refcount structures (1-bit
+/// refcounts, a refcount block that claims clusters the file does not have) send imago
+/// 0.2.6's allocator into endless recursion (found by the `qcow2_allocation` fuzz target; the
+/// input is its seed `regression_allocator_recursion.qcow2`), which also leaves the image
+/// without a refcount for its header. The frontend replaces the iothread, which serves the
+/// image read-only from then on, as QEMU serves an image it found corrupt: the write that
+/// crashed the first iothread and every later one fail with IOERR, reads are served before
+/// and after, and the disk stays up.
+#[test]
+fn a_write_that_corrupts_the_image_fails_and_the_disk_stays_up() {
+    let dir = TempDir::new("qcow2-crasher");
+    let image = dir.join("corrupt.qcow2");
+    std::fs::write(
+        &image,
+        include_bytes!("../../fuzz/seeds/qcow2_image/regression_allocator_recursion.qcow2"),
+    )
+    .unwrap();
+    let fe = Frontend::start(&image, &[]);
+    let mut c = Client::connect(fe.socket()).unwrap();
+    let queue = c.queue(0);
+    let before = ok("a read before", queue.read_at(0, 4096));
+    for round in 0..3 {
+        assert_eq!(
+            queue.write_at(4096 * round, &pattern(round, 4096)),
+            Err(libc::EIO),
+            "round {round}: a write"
+        );
+        let after = ok("a read after", queue.read_at(0, 4096));
+        assert_same_data("the data no write changed", &after, &before);
+    }
+    let log = fe.stderr();
+    assert_eq!(log.matches("replaced iothread").count(), 1, "{log}");
+    assert!(log.contains("serving the image read-only"), "{log}");
+    // A new frontend refuses to write to it at start, naming the problem.
+    drop(c);
+    fe.finish();
+    let refused = Frontend::try_start(&image, &[]).err().unwrap_or_default();
+    assert!(
+        refused.contains("refcounts do not cover its header"),
+        "{refused}"
+    );
+}

@@ -120,13 +120,15 @@ pub fn image_identity(path: &Path) -> Option<ImageIdentity> {
 /// Checks `image` (absolute, exists, a regular file or block device, inside an allowed
 /// directory if any are configured) in `format` (`None`: probed from its first bytes, as the
 /// frontend would): a qcow2 image's backing chain is opened as the frontend will open it
-/// (depth, loops, the allowed directories, what imago serves), and the disk (a qcow2 image's
-/// virtual size) is at least one block. Returns the image's identity and its format.
+/// (depth, loops, the allowed directories, what imago serves; for a `writable` disk, refcounts
+/// that imago can allocate with), and the disk (a qcow2 image's virtual size) is at least one
+/// block. Returns the image's identity and its format.
 pub fn check_image(
     image: &str,
     block_size: u32,
     format: Option<Format>,
     image_dirs: &[PathBuf],
+    writable: bool,
 ) -> Result<(ImageIdentity, Format), ValidationError> {
     const F: &str = "settings.image";
     if image.is_empty() {
@@ -201,7 +203,7 @@ pub fn check_image(
             "bytes",
         ),
         Format::Qcow2 => (
-            chain::open(&file, path, image_dirs)
+            chain::open_for(&file, path, image_dirs, writable)
                 .map_err(chain_error)?
                 .size,
             "bytes of virtual size",
@@ -531,7 +533,8 @@ pub fn check_add(
             ))
         }
     };
-    let (identity, format) = check_image(&s.image, block_size, format, &ctx.image_dirs)?;
+    let (identity, format) =
+        check_image(&s.image, block_size, format, &ctx.image_dirs, !s.read_only)?;
     // The node name the caller resolved it with (check_add itself knows no node name).
     let incoming_from = req
         .incoming_from
