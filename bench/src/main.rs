@@ -71,7 +71,8 @@ struct Args {
     targets: String,
     /// Comma-separated images, or "all": shm (a raw file in --shm-dir), null, disk (a raw file
     /// in --disk-dir, opened with O_DIRECT), qcow2 and qcow2-fresh (in --shm-dir), qcow2-disk
-    /// and qcow2-disk-fresh (in --disk-dir, opened with O_DIRECT).
+    /// and qcow2-disk-fresh (in --disk-dir, opened with O_DIRECT), qcow2-overlay (a qcow2
+    /// overlay on the disk image).
     #[arg(long, default_value = "all")]
     images: String,
     /// Disk size (of the shm and disk image files and of the null images), bytes or with a
@@ -296,27 +297,34 @@ fn make_qcow2(
     cluster_size: u32,
     preallocation: &str,
 ) -> Result<(), BenchError> {
-    {
-        let _ = std::fs::remove_file(path);
-        let options = format!("cluster_size={cluster_size},preallocation={preallocation}");
-        let path = path.to_string_lossy().into_owned();
-        first_line(
-            Path::new("qemu-img"),
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-o",
-                &options,
-                &path,
-                &size.to_string(),
-            ],
-            None,
-        )
+    let options = format!("cluster_size={cluster_size},preallocation={preallocation}");
+    qemu_img_create(path, &options, &[&size.to_string()])
+}
+
+/// (Re)creates the qcow2 image at `path` with `qemu-img create -o OPTIONS PATH EXTRA...`.
+fn qemu_img_create(path: &Path, options: &str, extra: &[&str]) -> Result<(), BenchError> {
+    let _ = std::fs::remove_file(path);
+    let path = path.to_string_lossy().into_owned();
+    let mut args = vec!["create", "-q", "-f", "qcow2", "-o", options];
+    // The options that name a backing file go before the path, its size after.
+    let (before, after): (Vec<&str>, Vec<&str>) = extra.iter().partition(|a| a.starts_with('-'));
+    args.extend(before);
+    args.push(&path);
+    args.extend(after);
+    first_line(Path::new("qemu-img"), &args, None)
         .map(|_| ())
         .map_err(|e| BenchError::Missing(format!("qemu-img create {path}: {e}")))
-    }
+}
+
+/// (Re)creates the qcow2 overlay at `path` (64 KiB clusters) on the raw image `base`, and drops
+/// the base from the page cache.
+fn make_overlay(path: &Path, base: &Path) -> Result<(), BenchError> {
+    let backing = format!("-b{}", base.display());
+    qemu_img_create(path, "cluster_size=65536", &[&backing, "-Fraw"])?;
+    let file = File::open(base).map_err(BenchError::io(format!("opening {}", base.display())))?;
+    // SAFETY: plain posix_fadvise on a descriptor we own; the whole file.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    Ok(())
 }
 
 impl Drop for Qcow2File {
@@ -577,24 +585,25 @@ fn run(args: Args) -> Result<(), BenchError> {
     } else {
         None
     };
-    let disk_image = if images.contains(&ImageKind::Disk) {
-        eprintln!(
-            "creating a {} MiB image in {} (on the disk)",
-            args.size >> 20,
-            args.disk_dir.display()
-        );
-        let image = ImageFile::create(&args.disk_dir, args.size, args.seed, true)?;
-        if !image.supports_direct() {
-            return Err(BenchError::Missing(format!(
-                "{} cannot be opened with O_DIRECT; pass a --disk-dir on a file system that \
+    let disk_image =
+        if images.contains(&ImageKind::Disk) || images.contains(&ImageKind::Qcow2Overlay) {
+            eprintln!(
+                "creating a {} MiB image in {} (on the disk)",
+                args.size >> 20,
+                args.disk_dir.display()
+            );
+            let image = ImageFile::create(&args.disk_dir, args.size, args.seed, true)?;
+            if !image.supports_direct() {
+                return Err(BenchError::Missing(format!(
+                    "{} cannot be opened with O_DIRECT; pass a --disk-dir on a file system that \
                  takes it",
-                image.path.display()
-            )));
-        }
-        Some(image)
-    } else {
-        None
-    };
+                    image.path.display()
+                )));
+            }
+            Some(image)
+        } else {
+            None
+        };
     let qcow2_image = Qcow2File::at(&args.shm_dir, "allocated");
     if images.contains(&ImageKind::Qcow2) {
         eprintln!(
@@ -615,6 +624,7 @@ fn run(args: Args) -> Result<(), BenchError> {
         qcow2_disk_image.create_converted(&args.disk_dir, args.size, args.seed)?;
     }
     let qcow2_disk_fresh_image = Qcow2File::at(&args.disk_dir, "fresh");
+    let qcow2_overlay_image = Qcow2File::at(&args.disk_dir, "overlay");
     let disk_fs = if images.iter().any(|kind| kind.on_disk()) {
         disk_fs_description(&args.disk_dir)
     } else {
@@ -641,6 +651,7 @@ fn run(args: Args) -> Result<(), BenchError> {
         qcow2_fresh_image: qcow2_fresh_image.path.clone(),
         qcow2_disk_image: qcow2_disk_image.path.clone(),
         qcow2_disk_fresh_image: qcow2_disk_fresh_image.path.clone(),
+        qcow2_overlay_image: qcow2_overlay_image.path.clone(),
         size: args.size,
         shm_direct: direct,
         cpus: args.backend_cpu.clone(),
@@ -792,6 +803,11 @@ fn run_one(
     if kind == ImageKind::Qcow2DiskFresh {
         // 4 KiB clusters too, so that allocating writes dominate on the device as well.
         make_qcow2(&config.qcow2_disk_fresh_image, config.size, 4096, "off")?;
+    }
+    if kind == ImageKind::Qcow2Overlay {
+        // Every target starts from an empty overlay and a base the page cache does not hold,
+        // so the copy-on-write of a run's first writes reads the device.
+        make_overlay(&config.qcow2_overlay_image, &config.disk_image)?;
     }
     let mut backend = Backend::start(target, kind, workload.queues, config)?;
     let image = config.image(kind);
@@ -1137,6 +1153,12 @@ fn markdown(c: &Context, results: &Results, notes: &str) -> String {
                      targets: allocating writes on a device",
                     c.disk_dir.display()
                 ),
+                ImageKind::Qcow2Overlay => "`qcow2-overlay`: a qcow2 overlay (64 KiB clusters) \
+                     on the `disk` image, made anew before every run with the base dropped from \
+                     the page cache, opened with O_DIRECT by both targets: a thin clone of a \
+                     golden image, whose first write into a cluster copies the rest of it from \
+                     the base"
+                    .to_string(),
                 ImageKind::Disk => format!(
                     "`disk`: a {} MiB raw file in {} on the machine's disk ({}), filled with \
                      pseudo-random data, synced and dropped from the page cache before the \

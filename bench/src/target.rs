@@ -101,6 +101,8 @@ pub struct BackendConfig {
     pub qcow2_disk_image: PathBuf,
     /// The fresh qcow2 image on the real disk, made anew before every run.
     pub qcow2_disk_fresh_image: PathBuf,
+    /// The qcow2 overlay on the raw disk image, made anew before every run.
+    pub qcow2_overlay_image: PathBuf,
     /// CPUs for the back-end; `None` leaves it unpinned.
     pub cpus: Option<CpuList>,
     /// Where the sockets and logs go.
@@ -117,6 +119,7 @@ impl BackendConfig {
             ImageKind::Qcow2Fresh => Some(&self.qcow2_fresh_image),
             ImageKind::Qcow2Disk => Some(&self.qcow2_disk_image),
             ImageKind::Qcow2DiskFresh => Some(&self.qcow2_disk_fresh_image),
+            ImageKind::Qcow2Overlay => Some(&self.qcow2_overlay_image),
             ImageKind::Null => None,
         }
     }
@@ -125,8 +128,11 @@ impl BackendConfig {
     pub fn direct(&self, kind: ImageKind) -> bool {
         match kind {
             ImageKind::Shm | ImageKind::Qcow2 | ImageKind::Qcow2Fresh => self.shm_direct,
-            ImageKind::Disk | ImageKind::Qcow2Disk | ImageKind::Qcow2DiskFresh => true,
             ImageKind::Null => false,
+            ImageKind::Disk
+            | ImageKind::Qcow2Disk
+            | ImageKind::Qcow2DiskFresh
+            | ImageKind::Qcow2Overlay => true,
         }
     }
 }
@@ -453,6 +459,7 @@ mod tests {
             qcow2_fresh_image: "/dev/shm/fresh.qcow2".into(),
             qcow2_disk_image: "/var/tmp/x.qcow2".into(),
             qcow2_disk_fresh_image: "/var/tmp/fresh.qcow2".into(),
+            qcow2_overlay_image: "/var/tmp/overlay.qcow2".into(),
             size: 1 << 30,
             shm_direct: true,
             cpus: None,

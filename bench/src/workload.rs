@@ -172,11 +172,15 @@ pub enum ImageKind {
     /// A fresh (empty) qcow2 image on the real disk with 4 KiB clusters, made anew for every
     /// run and opened with O_DIRECT: allocating writes on a device.
     Qcow2DiskFresh,
+    /// A fresh qcow2 overlay (64 KiB clusters) on the disk's raw image, made anew for every run
+    /// (the base dropped from the page cache) and opened with O_DIRECT: a thin clone of a
+    /// golden image, whose first write into each cluster copies the rest of it from the base.
+    Qcow2Overlay,
 }
 
 impl ImageKind {
     /// Every image kind, in report order.
-    pub const ALL: [ImageKind; 7] = [
+    pub const ALL: [ImageKind; 8] = [
         ImageKind::Shm,
         ImageKind::Null,
         ImageKind::Disk,
@@ -184,20 +188,28 @@ impl ImageKind {
         ImageKind::Qcow2Fresh,
         ImageKind::Qcow2Disk,
         ImageKind::Qcow2DiskFresh,
+        ImageKind::Qcow2Overlay,
     ];
 
     /// Whether this is a qcow2 image.
     pub fn is_qcow2(self) -> bool {
         matches!(
             self,
-            Self::Qcow2 | Self::Qcow2Fresh | Self::Qcow2Disk | Self::Qcow2DiskFresh
+            Self::Qcow2
+                | Self::Qcow2Fresh
+                | Self::Qcow2Disk
+                | Self::Qcow2DiskFresh
+                | Self::Qcow2Overlay
         )
     }
 
     /// Whether the image is a file on the machine's real disk (`--disk-dir`), opened with
     /// O_DIRECT by every target.
     pub fn on_disk(self) -> bool {
-        matches!(self, Self::Disk | Self::Qcow2Disk | Self::Qcow2DiskFresh)
+        matches!(
+            self,
+            Self::Disk | Self::Qcow2Disk | Self::Qcow2DiskFresh | Self::Qcow2Overlay
+        )
     }
 
     /// The name used on the command line and in the report.
@@ -210,6 +222,7 @@ impl ImageKind {
             Self::Qcow2Fresh => "qcow2-fresh",
             Self::Qcow2Disk => "qcow2-disk",
             Self::Qcow2DiskFresh => "qcow2-disk-fresh",
+            Self::Qcow2Overlay => "qcow2-overlay",
         }
     }
 

@@ -30,6 +30,9 @@ use imago::{FormatAccess, StorageOpenOptions};
 
 pub use blkplane_proto::control::MAX_BACKING_FILES;
 
+pub mod integrity;
+pub use integrity::header_is_refcounted;
+
 /// The first four bytes of a qcow2 image.
 const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
 
@@ -188,71 +191,10 @@ const FEATURE_NAME_TABLE: u64 = 0x6803_f857;
 /// Bytes of one feature name table entry.
 const FEATURE_NAME_ENTRY: u64 = 48;
 
-/// Why a writable qcow2 image whose refcounts miss its header is refused (see
-/// [`header_is_refcounted`]).
-pub const NOT_REFCOUNTED: &str = "the image's refcounts do not cover its header (a corrupt \
-     refcount table: `qemu-img check -r all` repairs it); refusing to write to it";
-
 /// Reads a big-endian integer of `N` bytes at `offset` of `bytes`.
-fn be<const N: usize>(bytes: &[u8], offset: usize) -> Option<u64> {
+pub(crate) fn be<const N: usize>(bytes: &[u8], offset: usize) -> Option<u64> {
     let field: [u8; N] = bytes.get(offset..offset.checked_add(N)?)?.try_into().ok()?;
     Some(field.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
-}
-
-/// Whether the qcow2 image in `file` counts a reference to its own header cluster: refcount
-/// table entry 0 names a refcount block, and that block's first entry is not 0.
-///
-/// imago 0.2.6 cannot allocate in an image where it is not (found by the `qcow2_image` fuzz
-/// target): with no block for cluster 0 it puts a new one there, which entry 0 cannot name
-/// (0 means "none"), looks again and recurses until the stack overflows; with a block that
-/// counts cluster 0 as free it would hand out the header as a data cluster. QEMU fails such
-/// an image's writes as corrupt too; `qemu-img check -r all` repairs it. [`open_for`] refuses
-/// to open such an image for writing.
-pub fn header_is_refcounted(file: &File) -> bool {
-    let mut header = [0u8; 104];
-    let Ok(read) = file.read_at(&mut header, 0) else {
-        return false;
-    };
-    let header = header.get(..read).unwrap_or_default();
-    let (Some(version), Some(rt_offset)) = (be::<4>(header, 4), be::<8>(header, 48)) else {
-        return false;
-    };
-    // Version 2 has 16-bit refcounts; version 3 says (refcount_order, at byte 96).
-    let order = if version >= 3 {
-        be::<4>(header, 96).unwrap_or(u64::MAX)
-    } else {
-        4
-    };
-    if order > 6 {
-        return false;
-    }
-    let mut entry = [0u8; 8];
-    if file.read_exact_at(&mut entry, rt_offset).is_err() {
-        return false;
-    }
-    // Bits 9..=63 hold the block's offset (the low ones are reserved).
-    let block = u64::from_be_bytes(entry) & !0x1ff;
-    if block == 0 {
-        return false;
-    }
-    let mut first = [0u8; 8];
-    if file.read_exact_at(&mut first, block).is_err() {
-        return false;
-    }
-    let bits = 1u32 << order;
-    let refcount = if bits >= 8 {
-        // A big-endian entry of bits / 8 bytes.
-        let bytes = usize::try_from(bits / 8).unwrap_or(8).min(8);
-        first
-            .get(..bytes)
-            .unwrap_or_default()
-            .iter()
-            .fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
-    } else {
-        // Entries narrower than a byte are packed from its lowest bit (as QEMU reads them).
-        u64::from(first[0] & (1u8 << bits).wrapping_sub(1))
-    };
-    refcount != 0
 }
 
 /// Checks what imago 0.2.6 would panic on when it opens the qcow2 image in `file`, walking the
@@ -411,10 +353,10 @@ pub fn open_for(
     let mut seen = vec![identity(file, path)?];
     let mut paths = vec![path.to_owned()];
     let top = read_header(file, path)?;
-    if writable && !header_is_refcounted(file) {
+    if let Some(problem) = writable.then(|| integrity::unwritable(file)).flatten() {
         return Err(ChainError::Qcow2 {
             path: path.to_owned(),
-            source: io::Error::new(io::ErrorKind::InvalidData, NOT_REFCOUNTED),
+            source: io::Error::new(io::ErrorKind::InvalidData, problem),
         });
     }
     let (size, mut next) = (top.size, top.backing);

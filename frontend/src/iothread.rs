@@ -181,7 +181,11 @@ impl IothreadLink {
             .spawner
             .spawn(index, theirs.as_raw_fd(), self.cpus.as_ref())?;
         drop(theirs);
-        self.previous_exit = spawned.previous;
+        // The first death since the worker last asked is the one that matters: a start that
+        // failed set-up (and was stopped) must not hide how the iothread before it ended.
+        if self.previous_exit.is_none() {
+            self.previous_exit = spawned.previous;
+        }
         self.process = Some(Process {
             pid: spawned.pid,
             pidfd: spawned.pidfd,

@@ -985,8 +985,8 @@ impl QueueCore {
     /// Queues for a new iothread (its ring ends attached, its rings handed over) every slot in
     /// flight but for those waiting for the limits.
     ///
-    /// `crashed`: the iothread before it died of a fault of its own (a crash signal or an
-    /// error exit, not a kill from outside). A request in flight at
+    /// `crashed`: the iothread before it died of a fault of its own (a crash signal, not a
+    /// kill from outside). A request in flight at
     /// [`MAX_CRASHES_IN_FLIGHT`] such deaths — one that crashes every iothread that runs it,
     /// as an image whose metadata trips the image library does — is answered with
     /// IOERR instead of being run again, with the others in flight then, as QEMU fails the
@@ -1005,6 +1005,11 @@ impl QueueCore {
                 state.crashes = state.crashes.saturating_add(1);
             }
             let (opcode, bytes, local) = (state.opcode, state.bytes, state.local_queue);
+            // A write run again is a write: marked before the new iothread sees it. One that is
+            // failed instead is marked too: the dead iothread may have written part of it.
+            if let Some(bitmap) = &self.write_bitmap {
+                mark_written(bitmap, &self.ends.slots, slot, opcode, bytes);
+            }
             if state.crashes >= MAX_CRASHES_IN_FLIGHT
                 && opcode != Opcode::Answer
                 && self.fail_in_flight(slot)
@@ -1017,10 +1022,6 @@ impl QueueCore {
                     counters.answered(false);
                 }
                 continue;
-            }
-            // A write run again is a write: marked before the new iothread sees it.
-            if let Some(bitmap) = &self.write_bitmap {
-                mark_written(bitmap, &self.ends.slots, slot, opcode, bytes);
             }
             if self.ends.submissions.push(slot).is_ok() {
                 done.resubmitted = done.resubmitted.saturating_add(1);

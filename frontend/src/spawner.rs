@@ -91,12 +91,13 @@ pub struct ExitStatus {
 }
 
 impl ExitStatus {
-    /// Whether the process died of a fault of its own — a crash signal (a stack overflow or a
-    /// panic aborts, a forbidden system call is SIGSYS) or an error exit — rather than being
-    /// killed from outside (SIGKILL, SIGTERM, ...) or exiting cleanly.
+    /// Whether the process died of a fault of its own: a crash signal (a stack overflow or a
+    /// panic aborts, a forbidden system call is SIGSYS) — not a kill from outside (SIGKILL,
+    /// SIGTERM, ...), and not an exit, which may be the environment's doing (a failed exec,
+    /// no memory at set-up).
     pub fn is_own_fault(&self) -> bool {
-        if libc::WIFSIGNALED(self.status) {
-            matches!(
+        libc::WIFSIGNALED(self.status)
+            && matches!(
                 libc::WTERMSIG(self.status),
                 libc::SIGSEGV
                     | libc::SIGBUS
@@ -106,9 +107,6 @@ impl ExitStatus {
                     | libc::SIGSYS
                     | libc::SIGTRAP
             )
-        } else {
-            libc::WIFEXITED(self.status) && libc::WEXITSTATUS(self.status) != 0
-        }
     }
 }
 
@@ -577,6 +575,28 @@ unsafe fn exec_child(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_crash_signals_are_an_iothreads_own_fault() {
+        // A wait status: the signal in the low 7 bits, or the exit code in bits 8..16.
+        let signalled = |signal: i32| ExitStatus {
+            pid: 1,
+            status: signal,
+        };
+        let exited = |code: i32| ExitStatus {
+            pid: 1,
+            status: code << 8,
+        };
+        for signal in [libc::SIGSEGV, libc::SIGABRT, libc::SIGSYS, libc::SIGBUS] {
+            assert!(signalled(signal).is_own_fault(), "signal {signal}");
+        }
+        for signal in [libc::SIGKILL, libc::SIGTERM, libc::SIGINT] {
+            assert!(!signalled(signal).is_own_fault(), "signal {signal}");
+        }
+        for code in [0, 1, 126, 127] {
+            assert!(!exited(code).is_own_fault(), "exit {code}");
+        }
+    }
 
     #[test]
     fn replies_decode_only_at_their_length() {

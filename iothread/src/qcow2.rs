@@ -252,15 +252,15 @@ impl Qcow2Image {
         backing: Vec<(File, LayerFormat)>,
     ) -> Result<Self, Qcow2Error> {
         let mut writable = opened_writable(&top);
-        if writable && !blkplane_chain::header_is_refcounted(&top) {
+        if let Some(problem) = writable
+            .then(|| blkplane_chain::integrity::unwritable(&top))
+            .flatten()
+        {
             // The frontend refuses to start on such an image (`blkplane_chain::open_for`), so
             // it went bad while served — as imago's allocator leaves some corrupt images it
             // recursed in until the iothread crashed. Served read-only from here on, as QEMU
             // serves an image it found corrupt: writes fail with IOERR, reads go on.
-            error!(
-                "{}; serving the image read-only: writes fail until it is repaired",
-                blkplane_chain::NOT_REFCOUNTED
-            );
+            error!("{problem}; serving the image read-only: writes fail until it is repaired");
             writable = false;
         }
         let depth = backing.len();
@@ -670,6 +670,19 @@ impl Qcow2Image {
     /// Writes every cached metadata change back to the image file (not synced).
     pub fn flush_metadata(&self) -> io::Result<()> {
         self.write_back()
+    }
+
+    /// fdatasyncs the image's external data file, if it has one (the guest's flush syncs the
+    /// image file itself through io_uring; imago's own flush of a file syncs nothing). On this
+    /// thread: only images with an external data file pay it.
+    pub fn sync_data_file(&self) -> io::Result<()> {
+        for layer in self.layers.iter().skip(1).filter(|l| l.top) {
+            // SAFETY: fdatasync on an fd of the chain; no memory is involved.
+            if unsafe { libc::fdatasync(layer.fd) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
     }
 
     /// imago's caches first (refcount blocks before the L2 tables that need them), then the

@@ -152,6 +152,9 @@ const IOTHREAD: &[i64] = &[
     // PUNCH_HOLE) and growing the image file to it. Only on the fds it was handed.
     libc::SYS_fallocate,
     libc::SYS_ftruncate,
+    // A guest flush of a qcow2 image with an external data file syncs that file too (the
+    // image file itself is synced through io_uring).
+    libc::SYS_fdatasync,
 ];
 
 fn cond(arg: u8, op: Op, value: u64) -> Result<SeccompCondition, BackendError> {

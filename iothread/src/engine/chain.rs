@@ -270,8 +270,9 @@ impl Core {
 
     /// Takes what the slot's state machine made of an allocating write's transfer result: the
     /// rest of a short write goes to the same clusters; once all of its bytes have landed the
-    /// allocation is committed (a failure to commit fails the request, and the range keeps
-    /// its old data); a failed write drops it, which releases its clusters.
+    /// allocation is committed and the metadata written back (a failure of either fails the
+    /// request; the range keeps its old data unless the commit itself succeeded); a failed
+    /// write drops it, which releases its clusters.
     pub(super) fn allocation_transferred(
         &mut self,
         slot: u32,
@@ -450,11 +451,14 @@ impl Core {
         }
     }
 
-    /// Writes the qcow2 metadata back before a flush's fdatasync; `Some` with the failed step
-    /// if that fails.
+    /// Writes the qcow2 metadata back before a flush's fdatasync (and syncs an external data
+    /// file); `Some` with the failed step if that fails.
     pub(super) fn flush_metadata(&mut self, slot: u32) -> Option<Step> {
         let chain = self.image.qcow2_chain()?;
-        let error = chain.flush_metadata().err()?;
+        let error = chain
+            .flush_metadata()
+            .and_then(|()| chain.sync_data_file())
+            .err()?;
         warn!("slot {slot}: writing the qcow2 metadata back: {error}");
         Some(self.states.get_mut(slot as usize)?.fail(errno_of(&error)))
     }
