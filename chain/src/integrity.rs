@@ -51,11 +51,10 @@ pub fn header_is_refcounted(file: &File) -> bool {
 /// Whether every L2 table the L1 table of the qcow2 image in `file` names is named once, and
 /// counted (refcount not 0).
 ///
-/// imago keeps one lock per L2 table, and an allocation keeps its table locked while its data
-/// is written (`iothread/src/engine/chain.rs`); the iothread tells tables apart by their L1
-/// index. Two L1 entries naming one table — present, or made by imago handing out a table's
-/// cluster again because its refcount says free — would let the iothread lock one table twice
-/// and wait for itself for ever.
+/// Two L1 entries naming one table make a write into one guest range change another; a table
+/// whose refcount says free is handed out again by imago's allocator — as a data cluster or a
+/// second table — and the guest's data and the mappings overwrite each other. imago keeps one
+/// lock per table object, so such an image also lets one thread take a table's lock twice.
 pub fn l2_tables_are_counted_once(file: &File) -> bool {
     let Some(mut refcounts) = Refcounts::new(file) else {
         return false;

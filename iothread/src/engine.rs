@@ -177,6 +177,9 @@ enum Token {
     ControlPoll,
     /// An operation of a request.
     Slot { slot: u32, stage: Stage },
+    /// The read into the page cache of what a qcow2 allocating write of the slot copies from
+    /// the old data (see `engine/chain.rs`).
+    Prefetch { slot: u32 },
 }
 
 const TAG_SHIFT: u32 = 56;
@@ -185,6 +188,7 @@ const TAG_SUBMIT_READ: u64 = 1;
 const TAG_SUBMIT_POLL: u64 = 2;
 const TAG_CONTROL_POLL: u64 = 3;
 const TAG_SLOT: u64 = 4;
+const TAG_PREFETCH: u64 = 5;
 
 impl Token {
     fn encode(self) -> u64 {
@@ -195,6 +199,7 @@ impl Token {
             Self::Slot { slot, stage } => {
                 (TAG_SLOT << TAG_SHIFT) | (u64::from(stage as u8) << STAGE_SHIFT) | u64::from(slot)
             }
+            Self::Prefetch { slot } => (TAG_PREFETCH << TAG_SHIFT) | u64::from(slot),
         }
     }
 
@@ -207,6 +212,9 @@ impl Token {
             (TAG_SLOT, _) if payload >> (STAGE_SHIFT + 8) == 0 => Some(Self::Slot {
                 stage: Stage::from_raw(u8::try_from(payload >> STAGE_SHIFT).ok()?)?,
                 slot: u32::try_from(payload & u64::from(u32::MAX)).ok()?,
+            }),
+            (TAG_PREFETCH, _) => Some(Self::Prefetch {
+                slot: u32::try_from(payload).ok()?,
             }),
             _ => None,
         }
@@ -241,13 +249,22 @@ struct Core {
     pending: VecDeque<Token>,
     /// Slots between `begin` and their completion.
     in_flight: usize,
-    /// qcow2 requests waiting: discards and unmapping write-zeroes for the writes in flight
-    /// into their range, transfers and zeroings for the allocating writes in flight in their
-    /// L2 tables (see `engine/chain.rs`); each slot at most once, so the capacity reserved at
+    /// qcow2 discards and unmapping write-zeroes waiting for the writes in flight into their
+    /// range (see `engine/chain.rs`); each slot at most once, so the capacity reserved at
     /// setup is never exceeded.
     parked: VecDeque<u32>,
-    /// Per slot, its qcow2 allocating write whose data is on its way (see `engine/chain.rs`).
-    allocations: Vec<Option<chain::AllocatingWrite>>,
+    /// Per slot, the read ahead of its qcow2 allocating write (see `engine/chain.rs`).
+    prefetch: Vec<chain::Prefetch>,
+    /// Where those reads land: read into only to fill the page cache, never looked at (one
+    /// cluster; allocated with the first, never moved while one is in flight).
+    prefetch_sink: Vec<u8>,
+    /// Per slot: its request committed a qcow2 allocation in imago's caches that has not been
+    /// written back yet.
+    write_back_pending: Vec<bool>,
+    /// Completed requests (slot, status) waiting for that write-back, which runs before the
+    /// next publish; each slot at most once, so the capacity reserved at setup is never
+    /// exceeded.
+    awaiting_write_back: Vec<(u32, u32)>,
     /// A control message is waiting to be read.
     control_ready: bool,
     /// A `SetMemoryTable` or `Shutdown` waiting for the requests in flight to finish.
@@ -341,11 +358,20 @@ impl Engine {
         parked
             .try_reserve_exact(count as usize)
             .map_err(|_| EngineError::Alloc(count))?;
-        let mut allocations = Vec::new();
-        allocations
+        let mut prefetch = Vec::new();
+        prefetch
             .try_reserve_exact(count as usize)
             .map_err(|_| EngineError::Alloc(count))?;
-        allocations.resize_with(count as usize, || None);
+        prefetch.resize(count as usize, chain::Prefetch::None);
+        let mut write_back_pending = Vec::new();
+        write_back_pending
+            .try_reserve_exact(count as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
+        write_back_pending.resize(count as usize, false);
+        let mut awaiting_write_back = Vec::new();
+        awaiting_write_back
+            .try_reserve_exact(count as usize)
+            .map_err(|_| EngineError::Alloc(count))?;
         info!(
             "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}{}",
             uring.params().sq_entries(),
@@ -380,7 +406,10 @@ impl Engine {
                 pending,
                 in_flight: 0,
                 parked,
-                allocations,
+                prefetch,
+                prefetch_sink: Vec::new(),
+                write_back_pending,
+                awaiting_write_back,
                 control_ready: false,
                 held: None,
                 deferred: None,
@@ -426,7 +455,9 @@ impl Engine {
 
             // Sleep only with nothing left to submit or publish. While a held message waits
             // no new work is taken, so only in-flight I/O needs to wake us.
-            let idle = self.core.pending.is_empty() && self.core.completions.unpublished() == 0;
+            let idle = self.core.pending.is_empty()
+                && self.core.completions.unpublished() == 0
+                && self.core.awaiting_write_back.is_empty();
             // With nothing at the device, only the frontend's next slot (or a control message)
             // can end the wait: poll for it first. Not while requests are at the device: the
             // worker polls its avail rings then, and two pollers starve the client of a
@@ -459,6 +490,7 @@ impl Engine {
             if !self.core.parked.is_empty() {
                 self.core.retry_parked()?;
             }
+            self.core.write_back_allocations()?;
             self.core.publish();
             if let Some((request, files)) = self.core.deferred.take() {
                 self.core.handle_message(request, files)?;
@@ -507,7 +539,8 @@ impl Engine {
                     // live in the slot's boxed buffer, which is not touched again until the
                     // slot's operation completes; the iovecs point into guest memory mappings,
                     // which are only replaced while no request is in flight; the eventfd
-                    // buffer is boxed and owned by the engine; the fds are owned by the engine
+                    // buffer is boxed and owned by the engine, and so is the read-ahead sink,
+                    // allocated once and never read or moved; the fds are owned by the engine
                     // (the control socket is borrowed for the whole of `run`).
                     if unsafe { sq.push(&entry) }.is_err() {
                         core.pending.push_front(token);
@@ -577,6 +610,12 @@ impl Core {
 
     fn start(&mut self, slot: u32) -> Result<(), EngineError> {
         let count = self.slots.count();
+        if let Some(prefetch) = self.prefetch.get_mut(slot as usize) {
+            *prefetch = chain::Prefetch::None;
+        }
+        if let Some(pending) = self.write_back_pending.get_mut(slot as usize) {
+            *pending = false;
+        }
         let state = usize::try_from(slot)
             .ok()
             .and_then(|index| self.states.get_mut(index))
@@ -665,6 +704,9 @@ impl Core {
                 Ok(())
             }
             Step::Complete(status) => {
+                if self.defer_until_written_back(slot, status) {
+                    return Ok(());
+                }
                 self.in_flight = self.in_flight.saturating_sub(1);
                 self.push_completion(slot, status)
             }
@@ -777,6 +819,7 @@ impl Core {
             Token::ControlPoll => {
                 opcode::PollAdd::new(types::Fd(self.control_fd), poll_in()).build()
             }
+            Token::Prefetch { slot } => self.prefetch_sqe(slot)?,
             Token::Slot { slot, stage } => {
                 let Some(buffered) = self.image.buffered() else {
                     // `run_null` completes every request of a null image on the spot.
@@ -784,7 +827,6 @@ impl Core {
                     return None;
                 };
                 let buffered = types::Fd(buffered.as_raw_fd());
-                let allocating = self.is_allocating(slot);
                 let state = self.states.get_mut(slot as usize)?;
                 if state.stage() != Some(stage) {
                     error!(
@@ -795,11 +837,7 @@ impl Core {
                 }
                 match stage {
                     Stage::Transfer => {
-                        let block_size = self
-                            .image
-                            .direct()
-                            .filter(|_| !allocating)
-                            .map(|_| self.image.block_size());
+                        let block_size = self.image.direct().map(|_| self.image.block_size());
                         let transfer = state.next_transfer(block_size);
                         let Some(fd) = transfer_fd(&self.image, &transfer) else {
                             error!(
@@ -874,6 +912,7 @@ impl Core {
                     )))
                 }
             },
+            Some(Token::Prefetch { slot }) => self.prefetched(slot, result)?,
             Some(Token::Slot { slot, stage }) => {
                 let Some(state) = self.states.get_mut(slot as usize) else {
                     warn!("ignoring a completion for unknown slot {slot}");
@@ -894,9 +933,6 @@ impl Core {
                         "the image does not support some fallocate modes; now using {:?}",
                         self.support
                     );
-                }
-                if stage == Stage::Transfer && self.is_allocating(slot) {
-                    return self.allocation_transferred(slot, step);
                 }
                 self.apply(slot, step)?;
             }
@@ -1351,6 +1387,8 @@ mod tests {
             Token::SubmitRead,
             Token::SubmitPoll,
             Token::ControlPoll,
+            Token::Prefetch { slot: 0 },
+            Token::Prefetch { slot: u32::MAX },
             Token::Slot {
                 slot: 0,
                 stage: Stage::Transfer,

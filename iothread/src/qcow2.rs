@@ -7,11 +7,11 @@
 //! imago is used in its `sync` mode (no async runtime, plain `pread`/`pwrite` for metadata):
 //! a lookup that hits its L2 cache makes no system call; a miss, an allocation or a zeroing
 //! costs the loop exactly the metadata I/O it needs (an allocation also copies what its write
-//! leaves of the old data into the new cluster, through imago). Every call into imago runs to
-//! its end before the loop goes on. One thing is held across the loop: a prepared allocation
-//! ([`Qcow2Image::prepare_allocation`]) keeps its L2 table write-locked while its data is at
-//! the device, and imago's locks are not reentrant, so the engine starts nothing else that
-//! locks that table (see [`Qcow2Image::l2_table_of`] and `engine/chain.rs`).
+//! leaves of the old data into the new cluster, through imago: the engine reads that data into
+//! the page cache through io_uring first, [`Qcow2Image::copy_on_write_source`]). Every call
+//! into imago runs to its end before the loop goes on, so no imago lock is ever held across
+//! the loop and no other request can find one taken (its locks are not reentrant: a prepared
+//! allocation kept open across the loop would deadlock the next allocation in its L2 table).
 //!
 //! Crash consistency: an allocating write writes its data into the prepared cluster first and
 //! only then commits the mapping, and every metadata change is written back to the file (the
@@ -145,14 +145,6 @@ pub struct Allocation {
     state: Option<Box<dyn std::any::Any>>,
 }
 
-impl Allocation {
-    /// Whether it must be committed to become visible (false: the range was mapped already,
-    /// by an allocation that ended meanwhile, and nothing is locked).
-    pub fn needs_commit(&self) -> bool {
-        self.state.is_some()
-    }
-}
-
 impl std::fmt::Debug for Allocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Allocation")
@@ -190,8 +182,8 @@ pub struct Qcow2Image {
     writable: bool,
     /// Bounce buffer of compressed reads, grown to the largest one seen.
     bounce: Vec<u8>,
-    /// log2 of the guest bytes one L2 table maps.
-    l2_table_bits: u32,
+    /// log2 of the cluster size.
+    cluster_bits: u32,
 }
 
 impl std::fmt::Debug for Qcow2Image {
@@ -381,14 +373,13 @@ impl Qcow2Image {
         let (Some(top), Some(barrier)) = (below, top_barrier) else {
             return Err(Qcow2Error::RawTop);
         };
-        // imago opened the header, so its cluster size is one qcow2 allows (9..=21 bits); an
-        // L2 table holds cluster size / 8 entries (no extended L2 entries: imago refuses them).
-        let l2_table_bits = crate::metadata_file::cluster_bits(barrier.file_ref())
-            .map(|bits| bits.saturating_mul(2).saturating_sub(3))
-            .ok_or(Qcow2Error::ChainMismatch {
+        // imago opened the header, so its cluster size is one qcow2 allows (9..=21 bits).
+        let cluster_bits = crate::metadata_file::cluster_bits(barrier.file_ref()).ok_or(
+            Qcow2Error::ChainMismatch {
                 layer: 0,
                 problem: "has no cluster size in its header",
-            })?;
+            },
+        )?;
         let raw_data_file = layers
             .get(1)
             .filter(|l| l.top && has_raw_external_data(barrier.file_ref()))
@@ -406,13 +397,18 @@ impl Qcow2Image {
             layers,
             writable,
             bounce: Vec::new(),
-            l2_table_bits,
+            cluster_bits,
         })
     }
 
     /// The virtual disk size.
     pub fn size(&self) -> u64 {
         self.top.size()
+    }
+
+    /// The cluster size of the image.
+    pub fn cluster_size(&self) -> u64 {
+        1u64 << self.cluster_bits
     }
 
     /// The buffered fd of `layer` (0 the image).
@@ -493,9 +489,23 @@ impl Qcow2Image {
     /// An allocating write of the `len` bytes at guest offset `offset` done at once: the
     /// allocation is prepared ([`Qcow2Image::prepare_allocation`]), `write` writes the data to
     /// it (`write(fd, host_offset, bytes)`, all of them or an error), and only then is it
-    /// committed ([`Qcow2Image::commit_allocation`]). Returns how many of the `len` bytes were
-    /// mapped and written (the rest takes another call).
+    /// committed ([`Qcow2Image::commit_allocation`]) and the metadata written back. Returns how
+    /// many of the `len` bytes were mapped and written (the rest takes another call).
     pub fn allocating_write(
+        &self,
+        offset: u64,
+        len: u64,
+        write: impl FnOnce(RawFd, u64, u64) -> io::Result<()>,
+    ) -> io::Result<u64> {
+        let written = self.allocating_write_in_memory(offset, len, write)?;
+        self.write_back()?;
+        Ok(written)
+    }
+
+    /// [`Qcow2Image::allocating_write`], with the new mapping committed in imago's caches only:
+    /// the caller writes it back ([`Qcow2Image::flush_metadata`]) before it acknowledges the
+    /// write, so that one write-back serves every allocation of a batch.
+    pub fn allocating_write_in_memory(
         &self,
         offset: u64,
         len: u64,
@@ -520,11 +530,10 @@ impl Qcow2Image {
     /// before until [`Qcow2Image::commit_allocation`]; dropping the allocation instead
     /// releases its clusters.
     ///
-    /// While it is prepared, imago holds the write lock of its L2 table (see
-    /// [`Qcow2Image::l2_table_of`]), and its locks are not reentrant: nothing may prepare
-    /// another allocation, zero or discard clusters, or read a compressed cluster in that
-    /// table until the allocation is committed or dropped — the calling thread would wait for
-    /// itself.
+    /// While it is prepared, imago holds the write lock of its L2 table, and its locks are not
+    /// reentrant: nothing may prepare another allocation, zero or discard clusters, or read a
+    /// compressed cluster in that table until the allocation is committed or dropped — the
+    /// calling thread would wait for itself.
     pub fn prepare_allocation(&self, offset: u64, len: u64) -> io::Result<Allocation> {
         if !self.writable {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
@@ -544,8 +553,9 @@ impl Qcow2Image {
         })
     }
 
-    /// Makes a prepared allocation visible once its data is in the file, and writes the
-    /// metadata back (the page cache; fdatasync at the guest's flush).
+    /// Makes a prepared allocation visible once its data is in the file, in imago's caches: the
+    /// metadata reaches the file (the page cache; fdatasync at the guest's flush) with the next
+    /// [`Qcow2Image::flush_metadata`].
     pub fn commit_allocation(&self, allocation: Allocation) -> io::Result<()> {
         let Some(state) = allocation.state else {
             // The range was mapped already: nothing to commit.
@@ -563,14 +573,35 @@ impl Qcow2Image {
             allocation.len,
             state,
         );
-        self.top.commit_data_mapping(prepared)?;
-        self.write_back()
+        self.top.commit_data_mapping(prepared)
     }
 
-    /// The L2 table that maps guest offset `offset`: an allocation prepared in it locks it
-    /// (see [`Qcow2Image::prepare_allocation`]). Each table maps `cluster size / 8` clusters.
-    pub fn l2_table_of(&self, offset: u64) -> u64 {
-        offset.checked_shr(self.l2_table_bits).unwrap_or(0)
+    /// Where the data an allocating write of the `len` guest bytes at `offset` leaves of its
+    /// cluster is now, when it is in a file: the layer, the offset in it and the contiguous
+    /// bytes of that cluster there (of the first cluster if the write starts inside one, else of
+    /// the last if it ends inside one). `None` when the write covers whole clusters or that
+    /// data is zeros or compressed. Reading it first into the page cache (through io_uring)
+    /// lets imago's copy-on-write run at memory speed.
+    pub fn copy_on_write_source(&self, offset: u64, len: u64) -> Option<(usize, u64, u64)> {
+        let cluster = 1u64.checked_shl(self.cluster_bits)?;
+        let mask = cluster.checked_sub(1)?;
+        let end = offset.checked_add(len)?;
+        let start = if offset & mask != 0 {
+            offset & !mask
+        } else if end & mask != 0 {
+            end & !mask
+        } else {
+            return None;
+        };
+        match self.map(start, cluster).ok()? {
+            Extent::Data {
+                layer,
+                host_offset,
+                len,
+                ..
+            } => Some((layer, host_offset, len.min(cluster))),
+            Extent::Zero { .. } | Extent::Compressed { .. } => None,
+        }
     }
 
     /// Zeroes the range (write-zeroes): with `unmap`, whole clusters become zero clusters
@@ -823,9 +854,21 @@ mod tests {
         let (base, top) = overlay_on_pattern(&dir.0, 8 * MIB, 4096);
         let base_bytes = std::fs::read(&base).unwrap();
         let image = open(&top, &base);
-        assert_eq!(image.l2_table_of(2 * MIB - 1), 0);
-        assert_eq!(image.l2_table_of(2 * MIB), 1);
-        assert_eq!(image.l2_table_of(7 * MIB), 3);
+        // The data a write leaves of its cluster: in the base (layer 1), from the cluster's
+        // start; none for whole clusters.
+        assert_eq!(
+            image.copy_on_write_source(4096 + 512, 1024),
+            Some((1, 4096, 4096))
+        );
+        assert_eq!(
+            image.copy_on_write_source(8192, 1024),
+            Some((1, 8192, 4096))
+        );
+        assert_eq!(
+            image.copy_on_write_source(8192, 8192 + 512),
+            Some((1, 16384, 4096))
+        );
+        assert_eq!(image.copy_on_write_source(8192, 8192), None);
         let first_at = 4096 + 512;
         let second_at = 2 * MIB + 8192;
         let dropped_at = 6 * MIB;
@@ -834,7 +877,6 @@ mod tests {
         let second = image.prepare_allocation(second_at, 1024).unwrap();
         let dropped = image.prepare_allocation(dropped_at, 4096).unwrap();
         assert_eq!((first.len, second.len, dropped.len), (1024, 1024, 4096));
-        assert!(first.needs_commit() && second.needs_commit() && dropped.needs_commit());
         let fd = image.layer_fd(first.layer).unwrap();
         pwrite(fd, first.host_offset, &[0x51; 1024]).unwrap();
         pwrite(fd, second.host_offset, &[0x52; 1024]).unwrap();

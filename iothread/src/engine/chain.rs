@@ -6,12 +6,12 @@
 //! - a read of zeros (unallocated down the whole chain, a zero cluster) zero-fills the guest
 //!   buffers without I/O, and a read of a compressed cluster goes through imago;
 //! - a write into a cluster the image does not own yet is an allocating write: imago prepares
-//!   the cluster (copy-on-write of what the write leaves), the data is written into it, and
-//!   only then is the mapping committed and the metadata written back. On an image whose
-//!   transfers go through io_uring the data write is an io_uring write like any other, and
-//!   the loop serves other requests until it lands ([`Core::start_allocation`]); the
-//!   requests that would need the allocation's L2 table locked wait parked meanwhile. On an
-//!   image served inline (memory-fast) the whole allocation runs on the spot;
+//!   the cluster (copy-on-write of what the write leaves), the data is written into it with
+//!   `pwritev`, and only then is the mapping committed, all before the loop goes on (see
+//!   [`crate::qcow2`] for why it holds nothing across the loop). Two parts that could wait
+//!   for a device are moved off it: the old data the copy reads is first read into the page
+//!   cache through io_uring ([`Prefetch`]), and the metadata is written back once per pass of
+//!   the loop, before anything it completed is published ([`Core::write_back_allocations`]);
 //! - write-zeroes and discard become zero clusters through imago (one that frees clusters
 //!   first waits for the writes at the device into its range); a flush writes the metadata
 //!   back before its fdatasync.
@@ -25,40 +25,38 @@ use std::os::fd::RawFd;
 
 use blkplane_proto::control::ControlReply;
 use blkplane_proto::ring::Opcode;
+use io_uring::{opcode, squeue, types};
 use log::{info, warn};
 
 use super::{Core, EngineError, Token};
-use crate::qcow2::{Allocation, Extent};
+use crate::qcow2::Extent;
 use crate::slot::{self, RangeMode, Stage, Step, TransferTarget};
 
 /// The most bytes one mapped transfer moves, so that its byte count is a valid result.
 const MAX_EXTENT: u64 = 1 << 30;
 
-/// The most allocating writes whose data may be at the device at once. Each keeps its L2
-/// table locked and pinned in imago's L2 cache (128 tables), which fails a lookup when every
-/// table in it is pinned.
-const MAX_ALLOCATING: usize = 16;
-
-/// An allocating write whose data is on its way to the file: its prepared (uncommitted)
-/// allocation, kept per slot until the data has landed.
-#[derive(Debug)]
-pub(super) struct AllocatingWrite {
-    /// The L2 table it locks ([`crate::qcow2::Qcow2Image::l2_table_of`]).
-    table: u64,
-    /// The guest offset of its first byte.
-    guest_start: u64,
-    /// Where its data goes.
-    allocation: Allocation,
+/// Where a slot's qcow2 allocating write stands with the read ahead of what it copies from
+/// the old data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Prefetch {
+    /// Not asked (or the allocation it was for is done).
+    None,
+    /// Queued or at the device: `len` bytes at `host_offset` of `layer`'s file.
+    Reading {
+        layer: usize,
+        host_offset: u64,
+        len: u32,
+    },
+    /// Done (or failed: imago reads what is missing itself): the allocation runs now.
+    Read,
 }
 
 /// What [`Core::next_extent`] did with the slot's next extent.
 enum Next {
-    /// Handed to io_uring, or parked.
+    /// Handed to io_uring.
     Queued,
     /// Done on the spot: what the slot's state machine makes of it.
     Step(Step),
-    /// An allocating write of `len` bytes at guest offset `offset` to start.
-    Allocate { offset: u64, len: u64 },
 }
 
 /// The errno of an imago error: the system call's, or `EIO` for a metadata problem.
@@ -75,17 +73,26 @@ impl Core {
                 Next::Queued => return Ok(()),
                 Next::Step(Step::Issue(Stage::Transfer)) => continue,
                 Next::Step(step) => return self.apply(slot, step),
-                Next::Allocate { offset, len } => return self.start_allocation(slot, offset, len),
             }
         }
     }
 
-    /// Maps and runs the slot's next extent, or says it is an allocating write to start.
+    /// Maps and runs the slot's next extent (or queues it, or the read ahead of its
+    /// allocation).
     fn next_extent(&mut self, slot: u32) -> Result<Next, EngineError> {
         let count = self.slots.count();
         let bad_slot = EngineError::BadSlot { slot, count };
-        let Core { states, image, .. } = self;
+        let Core {
+            states,
+            image,
+            prefetch,
+            prefetch_sink,
+            ..
+        } = self;
         let state = states.get_mut(slot as usize).ok_or(bad_slot)?;
+        let prefetch = prefetch
+            .get_mut(slot as usize)
+            .ok_or(EngineError::BadSlot { slot, count })?;
         let inline = image.transfers_inline();
         let Some(chain) = image.qcow2_chain_mut() else {
             return Ok(Next::Step(state.fail(libc::EBADF)));
@@ -138,14 +145,6 @@ impl Core {
                 state.on_transfer(result_of(transfer.len))
             }
             (Extent::Compressed { len }, false) => {
-                // imago's compressed read takes its L2 table's lock for reading.
-                if allocating_in(
-                    &self.allocations,
-                    chain.l2_table_of(offset)..=chain.l2_table_of(offset),
-                ) {
-                    self.parked.push_back(slot);
-                    return Ok(Next::Queued);
-                }
                 let transfer = limited(state, len);
                 // SAFETY: as above, the iovecs describe guest memory mapped writable.
                 match unsafe { chain.read_through(offset, transfer.len, iovecs_of(&transfer)) } {
@@ -158,16 +157,36 @@ impl Core {
                     }
                 }
             }
-            (extent, _) if !inline => {
-                return Ok(Next::Allocate {
-                    offset,
-                    len: extent.len(),
-                })
-            }
-            // An image served inline is memory-fast: the whole allocation runs on the spot.
             (extent, _) => {
-                let result =
-                    chain.allocating_write(offset, extent.len(), |fd, host_offset, len| {
+                // The copy-on-write inside imago's allocation reads the old data on this
+                // thread: on an image whose reads may wait for a device, that data is read
+                // into the page cache through io_uring first, so the loop waits for no device.
+                let source = (!inline && *prefetch == Prefetch::None)
+                    .then(|| chain.copy_on_write_source(offset, extent.len()))
+                    .flatten()
+                    .filter(|&(layer, _, _)| chain.layer_fd(layer).is_some());
+                if let Some((layer, host_offset, len)) = source {
+                    if prefetch_sink.is_empty() {
+                        // One cluster (no read ahead is longer), allocated once: reads in
+                        // flight land in it, so it never moves afterwards.
+                        *prefetch_sink = vec![0; blkplane_proto::usize_from(chain.cluster_size())];
+                    }
+                    *prefetch = Prefetch::Reading {
+                        layer,
+                        host_offset,
+                        len: u32::try_from(len.min(prefetch_sink.len() as u64)).unwrap_or(0),
+                    };
+                    self.pending.push_back(Token::Prefetch { slot });
+                    return Ok(Next::Queued);
+                }
+                *prefetch = Prefetch::None;
+                // Committed in imago's caches only: the loop writes the metadata back once for
+                // every allocation of its pass, before any of them is acknowledged
+                // ([`Core::write_back_allocations`]).
+                let result = chain.allocating_write_in_memory(
+                    offset,
+                    extent.len(),
+                    |fd, host_offset, len| {
                         state.set_target(TransferTarget {
                             layer: 0,
                             host_offset,
@@ -175,9 +194,15 @@ impl Core {
                         });
                         let transfer = state.next_transfer(None);
                         write_all(fd, iovecs_of(&transfer), host_offset)
-                    });
+                    },
+                );
                 match result {
-                    Ok(written) => state.on_transfer(result_of(written)),
+                    Ok(written) => {
+                        if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
+                            *flag = true;
+                        }
+                        state.on_transfer(result_of(written))
+                    }
                     Err(e) => {
                         if self.complaints.should_log() {
                             warn!("slot {slot}: allocating write at {offset}: {e}");
@@ -190,147 +215,45 @@ impl Core {
         Ok(Next::Step(step))
     }
 
-    /// Starts an allocating write of the slot's next `len` bytes at guest offset `offset` (one
-    /// L2 table's at most, as mapped): imago prepares the new clusters here (metadata I/O, and
-    /// the copy-on-write of what the write leaves of the old data), the data goes to io_uring
-    /// like any transfer, and the mapping is committed once it has landed
-    /// ([`Core::allocation_transferred`]); the loop serves the other requests meanwhile, and
-    /// the range reads as before until the commit.
-    ///
-    /// The data goes through the buffered fd even where the image has an O_DIRECT one: the
-    /// allocation holds its L2 table locked until then, so it is kept at page-cache speed, and
-    /// the new cluster reaches the disk with the metadata at the guest's next flush.
-    ///
-    /// An allocation into an L2 table with one in flight already (imago's table lock is not
-    /// reentrant: preparing it would wait for itself) or beyond [`MAX_ALLOCATING`] is parked
-    /// until the next completions.
-    fn start_allocation(&mut self, slot: u32, offset: u64, len: u64) -> Result<(), EngineError> {
-        let count = self.slots.count();
-        let Core {
-            states,
-            image,
-            allocations,
-            parked,
-            ..
-        } = self;
-        let state = states
-            .get_mut(slot as usize)
-            .ok_or(EngineError::BadSlot { slot, count })?;
-        let Some(chain) = image.qcow2_chain() else {
-            let step = state.fail(libc::EBADF);
-            return self.apply(slot, step);
+    /// The SQE of the slot's read ahead: a read of the old data into the sink, only for the
+    /// page cache to hold it.
+    pub(super) fn prefetch_sqe(&mut self, slot: u32) -> Option<squeue::Entry> {
+        let Some(&Prefetch::Reading {
+            layer,
+            host_offset,
+            len,
+        }) = self.prefetch.get(slot as usize)
+        else {
+            warn!("slot {slot}: a read ahead queued without its target");
+            return None;
         };
-        let table = chain.l2_table_of(offset);
-        if allocations.iter().flatten().count() >= MAX_ALLOCATING
-            || allocating_in(allocations, table..=table)
-        {
-            parked.push_back(slot);
+        // `next_extent` checked the fd and sized the sink before it queued the read.
+        let fd = self.image.qcow2_chain()?.layer_fd(layer)?;
+        let entry = opcode::Read::new(types::Fd(fd), self.prefetch_sink.as_mut_ptr(), len)
+            .offset(host_offset)
+            .build();
+        Some(entry.user_data(Token::Prefetch { slot }.encode()))
+    }
+
+    /// The read ahead of the slot's allocation is done (whatever its result: imago reads what
+    /// is not in the page cache itself, and reports a failure of its own): the allocation runs.
+    pub(super) fn prefetched(&mut self, slot: u32, result: i32) -> Result<(), EngineError> {
+        let Some(prefetch) = self.prefetch.get_mut(slot as usize) else {
+            warn!("ignoring a read-ahead completion for unknown slot {slot}");
+            return Ok(());
+        };
+        if !matches!(prefetch, Prefetch::Reading { .. }) {
+            warn!("ignoring a stale read-ahead completion for slot {slot}");
             return Ok(());
         }
-        let allocation = match chain.prepare_allocation(offset, len) {
-            Ok(allocation) => allocation,
-            Err(e) => {
-                if self.complaints.should_log() {
-                    warn!("slot {slot}: allocating {len} bytes at {offset}: {e}");
-                }
-                let step = state.fail(errno_of(&e));
-                return self.apply(slot, step);
-            }
-        };
-        state.set_target(TransferTarget {
-            layer: allocation.layer,
-            host_offset: allocation.host_offset,
-            limit: allocation.len,
-        });
-        if allocation.needs_commit() {
-            let record = allocations
-                .get_mut(slot as usize)
-                .ok_or(EngineError::BadSlot { slot, count })?;
-            *record = Some(AllocatingWrite {
-                table,
-                guest_start: offset,
-                allocation,
-            });
+        if result < 0 && self.complaints.should_log() {
+            warn!(
+                "slot {slot}: reading ahead for an allocation: {}",
+                io::Error::from_raw_os_error(result.saturating_neg())
+            );
         }
-        self.counters.count_queued();
-        self.pending.push_back(Token::Slot {
-            slot,
-            stage: Stage::Transfer,
-        });
-        Ok(())
-    }
-
-    /// Whether the slot's transfer in flight is an allocating write's (its data goes through
-    /// the buffered fd, and its result goes to [`Core::allocation_transferred`]).
-    pub(super) fn is_allocating(&self, slot: u32) -> bool {
-        self.allocations
-            .get(slot as usize)
-            .is_some_and(Option::is_some)
-    }
-
-    /// Takes what the slot's state machine made of an allocating write's transfer result: the
-    /// rest of a short write goes to the same clusters; once all of its bytes have landed the
-    /// allocation is committed and the metadata written back (a failure of either fails the
-    /// request; the range keeps its old data unless the commit itself succeeded); a failed
-    /// write drops it, which releases its clusters.
-    pub(super) fn allocation_transferred(
-        &mut self,
-        slot: u32,
-        step: Step,
-    ) -> Result<(), EngineError> {
-        let count = self.slots.count();
-        let bad_slot = EngineError::BadSlot { slot, count };
-        let Core {
-            states,
-            image,
-            allocations,
-            ..
-        } = self;
-        let (Some(state), Some(record)) = (
-            states.get_mut(slot as usize),
-            allocations.get_mut(slot as usize),
-        ) else {
-            return Err(bad_slot);
-        };
-        let Some(write) = record.take() else {
-            return self.apply(slot, step);
-        };
-        let guest_end = write.guest_start.saturating_add(write.allocation.len);
-        let step = match step {
-            Step::Issue(Stage::Transfer) if state.guest_offset() < guest_end => {
-                let done = state.guest_offset().saturating_sub(write.guest_start);
-                state.set_target(TransferTarget {
-                    layer: write.allocation.layer,
-                    host_offset: write.allocation.host_offset.saturating_add(done),
-                    limit: guest_end.saturating_sub(state.guest_offset()),
-                });
-                *record = Some(write);
-                self.counters.count_queued();
-                self.pending.push_back(Token::Slot {
-                    slot,
-                    stage: Stage::Transfer,
-                });
-                return Ok(());
-            }
-            // Dropping the allocation releases its clusters.
-            failed @ Step::Failed(_) => failed,
-            step => match image.qcow2_chain() {
-                Some(chain) => match chain.commit_allocation(write.allocation) {
-                    Ok(()) => step,
-                    Err(e) => {
-                        if self.complaints.should_log() {
-                            warn!(
-                                "slot {slot}: committing the allocation at {}: {e}",
-                                write.guest_start
-                            );
-                        }
-                        state.fail(errno_of(&e))
-                    }
-                },
-                None => state.fail(libc::EBADF),
-            },
-        };
-        self.apply(slot, step)
+        *prefetch = Prefetch::Read;
+        self.map_transfer(slot)
     }
 
     /// Runs a write-zeroes' or discard's ranges on a qcow2 image, one after the other, through
@@ -351,7 +274,6 @@ impl Core {
                 image,
                 support,
                 parked,
-                allocations,
                 ..
             } = self;
             let Some((range, opcode)) = states
@@ -363,17 +285,6 @@ impl Core {
             let unmap = range.is_some_and(|r| r.mode == RangeMode::PunchHole.flags());
             if let Some(range) = range.filter(|_| opcode == Opcode::Discard || unmap) {
                 if write_at_device_over(states, slot, range.offset, range.len) {
-                    parked.push_back(slot);
-                    return Ok(());
-                }
-            }
-            // imago zeroes and discards under the write locks of the range's L2 tables.
-            if let (Some(range), Some(chain)) = (range, image.qcow2_chain()) {
-                let last = range.offset.saturating_add(range.len.saturating_sub(1));
-                if allocating_in(
-                    allocations,
-                    chain.l2_table_of(range.offset)..=chain.l2_table_of(last),
-                ) {
                     parked.push_back(slot);
                     return Ok(());
                 }
@@ -408,9 +319,8 @@ impl Core {
         }
     }
 
-    /// Runs the parked requests again: discards and zeroings waiting for the writes into
-    /// their range, transfers waiting for an allocation in their L2 table (each parks itself
-    /// anew while it still has to wait).
+    /// Runs the parked discards again (each parks itself anew while its range is still being
+    /// written).
     #[cold]
     pub(super) fn retry_parked(&mut self) -> Result<(), EngineError> {
         for _ in 0..self.parked.len() {
@@ -418,15 +328,7 @@ impl Core {
             let Some(slot) = self.parked.pop_front() else {
                 break;
             };
-            match self
-                .states
-                .get(slot as usize)
-                .and_then(slot::SlotState::stage)
-            {
-                Some(Stage::Transfer) => self.map_transfer(slot)?,
-                Some(Stage::Range) => self.zero_or_discard(slot)?,
-                stage => warn!("slot {slot}: parked in stage {stage:?}, which never waits"),
-            }
+            self.zero_or_discard(slot)?;
         }
         Ok(())
     }
@@ -451,6 +353,49 @@ impl Core {
         }
     }
 
+    /// Holds back the completion of a slot whose allocation is committed in imago's caches but
+    /// not written back yet; true if it did.
+    pub(super) fn defer_until_written_back(&mut self, slot: u32, status: u32) -> bool {
+        if !self
+            .write_back_pending
+            .get(slot as usize)
+            .is_some_and(|&pending| pending)
+        {
+            return false;
+        }
+        // At most one entry per slot: the capacity reserved at setup is never exceeded.
+        self.awaiting_write_back.push((slot, status));
+        true
+    }
+
+    /// Writes the qcow2 metadata back once for every allocation the pass committed, then
+    /// completes the requests that waited for it (with IOERR if it failed). Runs before each
+    /// publish: nothing is acknowledged before its mapping is in the file (the page cache), so
+    /// a killed iothread loses no acknowledged write.
+    pub(super) fn write_back_allocations(&mut self) -> Result<(), EngineError> {
+        if self.awaiting_write_back.is_empty() {
+            return Ok(());
+        }
+        let written_back = match self.image.qcow2_chain() {
+            Some(chain) => chain.flush_metadata(),
+            None => Err(io::Error::from_raw_os_error(libc::EBADF)),
+        };
+        if let Err(e) = &written_back {
+            warn!("writing the qcow2 metadata of allocating writes back: {e}");
+        }
+        while let Some((slot, status)) = self.awaiting_write_back.pop() {
+            if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
+                *flag = false;
+            }
+            let step = match &written_back {
+                Ok(()) => Step::Complete(status),
+                Err(e) => Step::Failed(errno_of(e)),
+            };
+            self.apply(slot, step)?;
+        }
+        Ok(())
+    }
+
     /// Writes the qcow2 metadata back before a flush's fdatasync (and syncs an external data
     /// file); `Some` with the failed step if that fails.
     pub(super) fn flush_metadata(&mut self, slot: u32) -> Option<Step> {
@@ -462,17 +407,6 @@ impl Core {
         warn!("slot {slot}: writing the qcow2 metadata back: {error}");
         Some(self.states.get_mut(slot as usize)?.fail(errno_of(&error)))
     }
-}
-
-/// Whether an allocating write in flight locks one of the L2 tables `tables`.
-fn allocating_in(
-    allocations: &[Option<AllocatingWrite>],
-    tables: std::ops::RangeInclusive<u64>,
-) -> bool {
-    allocations
-        .iter()
-        .flatten()
-        .any(|write| tables.contains(&write.table))
 }
 
 /// Whether a write other than `slot`'s has a transfer queued or at the device that may land
