@@ -148,7 +148,14 @@ pub fn resume_all<P: Pausable>(workers: &[P]) -> Result<(), LifecycleError> {
 /// Returns whether there was anything to sync (a null image has no file).
 pub(crate) fn sync_image(image: &Image) -> io::Result<bool> {
     match image {
-        Image::File(file) => file.buffered.sync_data().map(|()| true),
+        // A qcow2 image's external data file holds the guest's data: synced too.
+        Image::File(file) => {
+            file.buffered.sync_data()?;
+            if let Some(data_file) = &file.data_file {
+                data_file.sync_data()?;
+            }
+            Ok(true)
+        }
         Image::Null { .. } => Ok(false),
     }
 }

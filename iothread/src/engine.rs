@@ -10,7 +10,9 @@
 //!    transfers, fdatasync after a writethrough write, the next discard range...) and, for
 //!    each finished request, writing its status byte into guest memory, adding it to its
 //!    queue's used batch ([`UsedRings`]) and pushing its completion;
-//! 4. publishes the batch: used entries and inflight records, then the completions (one index
+//! 4. writes a qcow2 image's metadata back if an allocation of the pass changed it (once for
+//!    all of them; the requests that allocated complete only then), and
+//! 5. publishes the batch: used entries and inflight records, then the completions (one index
 //!    update, the frontend's eventfd written only if it announced it was going to sleep, which
 //!    it does only while it waits for requests to finish), then each queue's used index and
 //!    at most one interrupt per queue.
@@ -265,6 +267,10 @@ struct Core {
     /// next publish; each slot at most once, so the capacity reserved at setup is never
     /// exceeded.
     awaiting_write_back: Vec<(u32, u32)>,
+    /// An allocation was committed in imago's caches since the last write-back: whatever
+    /// completes now may rely on it (a write into the new cluster), so the metadata is written
+    /// back before the next publish.
+    metadata_dirty: bool,
     /// A control message is waiting to be read.
     control_ready: bool,
     /// A `SetMemoryTable` or `Shutdown` waiting for the requests in flight to finish.
@@ -410,6 +416,7 @@ impl Engine {
                 prefetch_sink: Vec::new(),
                 write_back_pending,
                 awaiting_write_back,
+                metadata_dirty: false,
                 control_ready: false,
                 held: None,
                 deferred: None,

@@ -15,7 +15,9 @@
 //!
 //! Crash consistency: an allocating write writes its data into the prepared cluster first and
 //! only then commits the mapping, and every metadata change is written back to the file (the
-//! page cache; fdatasync at the guest's flush) before the request completes. So an iothread
+//! page cache; fdatasync at the guest's flush) before a request that relies on it is
+//! acknowledged (the engine writes back once per pass of its loop, before it publishes
+//! anything: `engine/chain.rs`). So an iothread
 //! killed at any point leaves either the old mapping (the write was not acknowledged, and the
 //! frontend resubmits it) or the new one with its data; at worst a cluster is leaked, which
 //! `qemu-img check` reports as a leak, not as corruption.

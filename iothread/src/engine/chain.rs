@@ -201,6 +201,7 @@ impl Core {
                         if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
                             *flag = true;
                         }
+                        self.metadata_dirty = true;
                         state.on_transfer(result_of(written))
                     }
                     Err(e) => {
@@ -369,19 +370,23 @@ impl Core {
     }
 
     /// Writes the qcow2 metadata back once for every allocation the pass committed, then
-    /// completes the requests that waited for it (with IOERR if it failed). Runs before each
-    /// publish: nothing is acknowledged before its mapping is in the file (the page cache), so
-    /// a killed iothread loses no acknowledged write.
+    /// completes the requests that waited for it (with IOERR if it failed; the next pass tries
+    /// again). Runs before each publish, whenever an allocation was committed since the last
+    /// one — not only when its own request completes: a write into the new cluster by another
+    /// request completes through the mapping too. So nothing is acknowledged before the
+    /// mapping it relies on is in the file (the page cache), and a killed iothread loses no
+    /// acknowledged write.
     pub(super) fn write_back_allocations(&mut self) -> Result<(), EngineError> {
-        if self.awaiting_write_back.is_empty() {
+        if !self.metadata_dirty && self.awaiting_write_back.is_empty() {
             return Ok(());
         }
         let written_back = match self.image.qcow2_chain() {
             Some(chain) => chain.flush_metadata(),
             None => Err(io::Error::from_raw_os_error(libc::EBADF)),
         };
-        if let Err(e) = &written_back {
-            warn!("writing the qcow2 metadata of allocating writes back: {e}");
+        match &written_back {
+            Ok(()) => self.metadata_dirty = false,
+            Err(e) => warn!("writing the qcow2 metadata of allocating writes back: {e}"),
         }
         while let Some((slot, status)) = self.awaiting_write_back.pop() {
             if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
@@ -400,10 +405,15 @@ impl Core {
     /// file); `Some` with the failed step if that fails.
     pub(super) fn flush_metadata(&mut self, slot: u32) -> Option<Step> {
         let chain = self.image.qcow2_chain()?;
-        let error = chain
-            .flush_metadata()
-            .and_then(|()| chain.sync_data_file())
-            .err()?;
+        let written_back = chain.flush_metadata();
+        if written_back.is_ok() {
+            // Every allocation so far is in the file: nothing needs to wait for the next pass.
+            self.metadata_dirty = false;
+            if let Some(pending) = self.write_back_pending.get_mut(slot as usize) {
+                *pending = false;
+            }
+        }
+        let error = written_back.and_then(|()| chain.sync_data_file()).err()?;
         warn!("slot {slot}: writing the qcow2 metadata back: {error}");
         Some(self.states.get_mut(slot as usize)?.fail(errno_of(&error)))
     }
