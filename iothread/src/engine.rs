@@ -77,6 +77,7 @@ use crate::slot::{FallocateSupport, SlotState, Stage, Step, Transfer};
 use crate::vring::UsedRings;
 
 mod chain;
+mod cluster_write;
 
 /// Operations that are not a slot's: the eventfd read (or poll) and the control poll.
 const RESERVED_OPS: u32 = 2;
@@ -182,6 +183,11 @@ enum Token {
     /// The read into the page cache of what a qcow2 allocating write of the slot copies from
     /// the old data (see `engine/chain.rs`).
     Prefetch { slot: u32 },
+    /// A read of a cluster's old data into the buffer of the slot's whole-cluster allocating
+    /// write (see `engine/cluster_write.rs`).
+    FillCluster { slot: u32 },
+    /// The write of that cluster.
+    WriteCluster { slot: u32 },
 }
 
 const TAG_SHIFT: u32 = 56;
@@ -191,6 +197,8 @@ const TAG_SUBMIT_POLL: u64 = 2;
 const TAG_CONTROL_POLL: u64 = 3;
 const TAG_SLOT: u64 = 4;
 const TAG_PREFETCH: u64 = 5;
+const TAG_FILL_CLUSTER: u64 = 6;
+const TAG_WRITE_CLUSTER: u64 = 7;
 
 impl Token {
     fn encode(self) -> u64 {
@@ -202,6 +210,8 @@ impl Token {
                 (TAG_SLOT << TAG_SHIFT) | (u64::from(stage as u8) << STAGE_SHIFT) | u64::from(slot)
             }
             Self::Prefetch { slot } => (TAG_PREFETCH << TAG_SHIFT) | u64::from(slot),
+            Self::FillCluster { slot } => (TAG_FILL_CLUSTER << TAG_SHIFT) | u64::from(slot),
+            Self::WriteCluster { slot } => (TAG_WRITE_CLUSTER << TAG_SHIFT) | u64::from(slot),
         }
     }
 
@@ -216,6 +226,12 @@ impl Token {
                 slot: u32::try_from(payload & u64::from(u32::MAX)).ok()?,
             }),
             (TAG_PREFETCH, _) => Some(Self::Prefetch {
+                slot: u32::try_from(payload).ok()?,
+            }),
+            (TAG_FILL_CLUSTER, _) => Some(Self::FillCluster {
+                slot: u32::try_from(payload).ok()?,
+            }),
+            (TAG_WRITE_CLUSTER, _) => Some(Self::WriteCluster {
                 slot: u32::try_from(payload).ok()?,
             }),
             _ => None,
@@ -267,6 +283,9 @@ struct Core {
     /// next publish; each slot at most once, so the capacity reserved at setup is never
     /// exceeded.
     awaiting_write_back: Vec<(u32, u32)>,
+    /// qcow2 allocating writes of whole clusters through O_DIRECT (see
+    /// `engine/cluster_write.rs`).
+    cluster_writes: cluster_write::ClusterWrites,
     /// An allocation was committed in imago's caches since the last write-back: whatever
     /// completes now may rely on it (a write into the new cluster), so the metadata is written
     /// back before the next publish.
@@ -378,6 +397,7 @@ impl Engine {
         awaiting_write_back
             .try_reserve_exact(count as usize)
             .map_err(|_| EngineError::Alloc(count))?;
+        let cluster_writes = cluster_write::ClusterWrites::new(count)?;
         info!(
             "{count} slots of {segments} segments, io_uring {}/{} entries, {} image {} bytes{}{}",
             uring.params().sq_entries(),
@@ -416,6 +436,7 @@ impl Engine {
                 prefetch_sink: Vec::new(),
                 write_back_pending,
                 awaiting_write_back,
+                cluster_writes,
                 metadata_dirty: false,
                 control_ready: false,
                 held: None,
@@ -496,6 +517,9 @@ impl Engine {
             self.reap()?;
             if !self.core.parked.is_empty() {
                 self.core.retry_parked()?;
+            }
+            if self.core.cluster_waiters() {
+                self.core.retry_cluster_waiters()?;
             }
             self.core.write_back_allocations()?;
             self.core.publish();
@@ -623,6 +647,7 @@ impl Core {
         if let Some(pending) = self.write_back_pending.get_mut(slot as usize) {
             *pending = false;
         }
+        self.reset_cluster_write(slot);
         let state = usize::try_from(slot)
             .ok()
             .and_then(|index| self.states.get_mut(index))
@@ -827,6 +852,9 @@ impl Core {
                 opcode::PollAdd::new(types::Fd(self.control_fd), poll_in()).build()
             }
             Token::Prefetch { slot } => self.prefetch_sqe(slot)?,
+            Token::FillCluster { .. } | Token::WriteCluster { .. } => {
+                return self.cluster_write_sqe(token)
+            }
             Token::Slot { slot, stage } => {
                 let Some(buffered) = self.image.buffered() else {
                     // `run_null` completes every request of a null image on the spot.
@@ -920,6 +948,8 @@ impl Core {
                 }
             },
             Some(Token::Prefetch { slot }) => self.prefetched(slot, result)?,
+            Some(Token::FillCluster { slot }) => self.cluster_filled(slot, result)?,
+            Some(Token::WriteCluster { slot }) => self.cluster_written(slot, result)?,
             Some(Token::Slot { slot, stage }) => {
                 let Some(state) = self.states.get_mut(slot as usize) else {
                     warn!("ignoring a completion for unknown slot {slot}");
@@ -1396,6 +1426,8 @@ mod tests {
             Token::ControlPoll,
             Token::Prefetch { slot: 0 },
             Token::Prefetch { slot: u32::MAX },
+            Token::FillCluster { slot: 7 },
+            Token::WriteCluster { slot: u32::MAX },
             Token::Slot {
                 slot: 0,
                 stage: Stage::Transfer,

@@ -61,7 +61,28 @@ struct Held {
     /// is still held, they differ. Until then both are pointer structures: the file's old
     /// ones are what a crash would leave in use, the new ones what imago now writes to.
     pending: Vec<Range<u64>>,
+    /// L2 entries that map a cluster whose data is still being written (see
+    /// [`Barrier::hold_entry`]): every write of their table carries their old value instead.
+    unlanded: Vec<Unlanded>,
+    /// L2 entries whose cluster's data has landed since a write of their table carried the
+    /// old value: their new value, written with the held writes (after the refcount blocks),
+    /// unless imago writes their table again first. (offset, big-endian value)
+    landed: Vec<(u64, [u8; 8])>,
 }
+
+/// An L2 entry kept out of the file until its cluster's data is there.
+#[derive(Debug, Clone, Copy)]
+struct Unlanded {
+    /// Where the entry is in the file.
+    at: u64,
+    /// What the file must say until the data has landed (big-endian).
+    old: [u8; 8],
+    /// What imago last wrote there instead, if it wrote the table since (big-endian).
+    wanted: Option<[u8; 8]>,
+}
+
+/// An L1 entry's L2 table offset bits (the qcow2 specification's bits 9-55).
+const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 
 impl Held {
     /// Whether a write of `len` bytes at `offset` meets a pointer structure, old or new.
@@ -71,6 +92,21 @@ impl Held {
             .iter()
             .chain(&self.pending)
             .any(|range| offset < range.end && range.start < end)
+    }
+
+    /// Whether a read of `len` bytes at `offset` must see something the file does not have
+    /// yet: a held write, a landed entry, or what imago wrote for an unlanded one.
+    fn overlays(&self, offset: u64, len: u64) -> bool {
+        let end = offset.saturating_add(len);
+        let meets = |at: u64, n: u64| at < end && offset < at.saturating_add(n);
+        self.writes
+            .iter()
+            .any(|(at, data)| meets(*at, data.len() as u64))
+            || self.landed.iter().any(|(at, _)| meets(*at, 8))
+            || self
+                .unlanded
+                .iter()
+                .any(|u| u.wanted.is_some() && meets(u.at, 8))
     }
 
     /// Whether a held header moves a pointer structure.
@@ -124,13 +160,17 @@ impl Barrier {
     /// written back.
     pub fn apply(&self) -> io::Result<()> {
         let mut held = lock(&self.state);
-        if held.writes.is_empty() {
+        if held.writes.is_empty() && held.landed.is_empty() {
             return Ok(());
         }
         for (offset, data) in held.writes.iter() {
             self.file.write_all_at(data, *offset)?;
         }
         held.writes.clear();
+        while let Some((offset, entry)) = held.landed.last().copied() {
+            self.file.write_all_at(&entry, offset)?;
+            held.landed.pop();
+        }
         if held.moves_a_table() {
             held.on_disk = std::mem::take(&mut held.pending);
             held.pending = held.on_disk.clone();
@@ -140,7 +180,71 @@ impl Barrier {
 
     /// Whether any held write is waiting.
     pub fn is_empty(&self) -> bool {
-        lock(&self.state).writes.is_empty()
+        let held = lock(&self.state);
+        held.writes.is_empty() && held.landed.is_empty()
+    }
+
+    /// Where in the file the L2 entry of the cluster at guest offset `guest_offset` is: read
+    /// through the L1 table the header names (as the held writes will leave both). `None`
+    /// when the header does not parse or no L2 table covers the offset yet.
+    pub fn l2_entry_offset(&self, guest_offset: u64) -> Option<u64> {
+        let held = lock(&self.state);
+        let header = held.pending_header(read_header(&self.file)?);
+        let cluster_bits = u32::try_from(be::<4>(&header, 20)?)
+            .ok()
+            .filter(|b| (9..=21).contains(b))?;
+        let l1_size = be::<4>(&header, 36)?;
+        let l1_offset = be::<8>(&header, 40)?;
+        // Each L2 table maps cluster_size / 8 clusters.
+        let l2_bits = cluster_bits.checked_sub(3)?;
+        let l1_index = guest_offset.checked_shr(cluster_bits.checked_add(l2_bits)?)?;
+        if l1_index >= l1_size {
+            return None;
+        }
+        let at = l1_offset.checked_add(l1_index.checked_mul(8)?)?;
+        let mut entry = [0u8; 8];
+        self.file.read_exact_at(&mut entry, at).ok()?;
+        for (offset, data) in &held.writes {
+            overlay(&mut entry, at, *offset, data);
+        }
+        let l2_offset = u64::from_be_bytes(entry) & L1_OFFSET_MASK;
+        if l2_offset == 0 {
+            return None;
+        }
+        let l2_index = (guest_offset >> cluster_bits) & (1u64 << l2_bits).saturating_sub(1);
+        l2_offset.checked_add(l2_index.checked_mul(8)?)
+    }
+
+    /// Keeps the L2 entry at `at` out of the file: every write of its table carries `old`
+    /// there instead, until [`Barrier::land`] or [`Barrier::forget`]. For a cluster mapped
+    /// in imago's caches before its data is written (the engine's allocations through
+    /// O_DIRECT): a crash before the data lands must leave the old mapping in the file.
+    pub fn hold_entry(&self, at: u64, old: u64) {
+        lock(&self.state).unlanded.push(Unlanded {
+            at,
+            old: old.to_be_bytes(),
+            wanted: None,
+        });
+    }
+
+    /// The data of the cluster the entry at `at` maps has landed: the entry may reach the
+    /// file. If a write of its table carried the old value meanwhile, the new one is written
+    /// with the held writes (after the caches: its refcount first).
+    pub fn land(&self, at: u64) {
+        let mut held = lock(&self.state);
+        if let Some(index) = held.unlanded.iter().position(|u| u.at == at) {
+            let unlanded = held.unlanded.swap_remove(index);
+            if let Some(wanted) = unlanded.wanted {
+                held.landed.push((at, wanted));
+            }
+        }
+    }
+
+    /// Stops holding the entry at `at` without writing it: the mapping it was held for was
+    /// undone in imago's caches (back to the old value).
+    pub fn forget(&self, at: u64) {
+        let mut held = lock(&self.state);
+        held.unlanded.retain(|u| u.at != at);
     }
 }
 
@@ -235,6 +339,8 @@ impl MetadataFile {
                 writes: Vec::new(),
                 pending: on_disk.clone(),
                 on_disk,
+                unlanded: Vec::new(),
+                landed: Vec::new(),
             }),
         });
         let inner = ImagoFile::from_open_file(file, StorageOpenOptions::new().write(writable))?;
@@ -280,7 +386,7 @@ impl Storage for MetadataFile {
     unsafe fn pure_readv(&self, mut bufv: IoVectorMut<'_>, offset: u64) -> io::Result<()> {
         let len = bufv.len();
         let held = lock(&self.barrier.state);
-        if held.writes.is_empty() || !held.holds(offset, len) {
+        if !held.overlays(offset, len) {
             drop(held);
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
             return unsafe { self.inner.pure_readv(bufv, offset) };
@@ -299,13 +405,29 @@ impl Storage for MetadataFile {
         for (at, data) in &held.writes {
             overlay(&mut bounce, offset, *at, data);
         }
+        for (at, entry) in &held.landed {
+            overlay(&mut bounce, offset, *at, entry);
+        }
+        // What imago wrote for an entry it must read back as written, not as the file has it.
+        for unlanded in &held.unlanded {
+            if let Some(wanted) = &unlanded.wanted {
+                overlay(&mut bounce, offset, unlanded.at, wanted);
+            }
+        }
         bufv.copy_from_slice(&bounce);
         Ok(())
     }
 
     unsafe fn pure_writev(&self, bufv: IoVector<'_>, offset: u64) -> io::Result<()> {
         let mut held = lock(&self.barrier.state);
-        if !held.holds(offset, bufv.len()) {
+        let end = offset.saturating_add(bufv.len());
+        let meets = |at: u64| at < end && offset < at.saturating_add(8);
+        // An entry whose new value waits for the held writes is written here anyway, with
+        // what imago has now: that wins.
+        held.landed
+            .retain(|&(at, _)| !(offset <= at && at.saturating_add(8) <= end));
+        let masks = held.unlanded.iter().any(|u| meets(u.at));
+        if !masks && !held.holds(offset, bufv.len()) {
             drop(held);
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
             return unsafe { self.inner.pure_writev(bufv, offset) };
@@ -314,6 +436,17 @@ impl Storage for MetadataFile {
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let mut data = vec![0u8; len];
         bufv.copy_into_slice(&mut data);
+        for unlanded in held.unlanded.iter_mut().filter(|u| meets(u.at)) {
+            let mut wanted = unlanded.wanted.unwrap_or(unlanded.old);
+            overlay(&mut wanted, unlanded.at, offset, &data);
+            unlanded.wanted = Some(wanted);
+            overlay(&mut data, offset, unlanded.at, &unlanded.old);
+        }
+        if !held.holds(offset, bufv.len()) {
+            drop(held);
+            // SAFETY: a private buffer, which nothing else accesses during the call.
+            return unsafe { self.inner.pure_writev(IoVector::from(&data[..]), offset) };
+        }
         held.writes.push((offset, data));
         if offset < HEADER_FIELDS as u64 {
             // The header changes: where it will put the L1 and refcount tables is a pointer
@@ -500,6 +633,67 @@ mod tests {
         assert!(storage.settle_writes().is_ok());
         barrier.apply().unwrap();
         assert_eq!(on_disk(&file, 24, 8), (8 * 1024 * 1024u64).to_be_bytes());
+    }
+
+    /// An L2 entry held for a cluster whose data is not written yet: every write of its table
+    /// carries the old value, reads see what imago wrote; once landed, the new value follows
+    /// with the held writes — unless imago wrote the table again meanwhile, whose value wins.
+    #[test]
+    fn an_unlanded_l2_entry_keeps_its_old_value_in_the_file() {
+        const L2: u64 = 0x5_0000;
+        let file = image();
+        let (storage, barrier) = MetadataFile::open(file.try_clone().unwrap(), true, true).unwrap();
+        assert_eq!(barrier.l2_entry_offset(3 << 16), None, "no L2 table yet");
+        // The L1 entry names an L2 table (held until applied, seen anyway).
+        write(&storage, L1, &(L2 | 1 << 63).to_be_bytes());
+        let entry = barrier.l2_entry_offset(3 << 16).unwrap();
+        assert_eq!(entry, L2 + 3 * 8);
+        barrier.apply().unwrap();
+        // Out of the L1 table's one entry (each maps 8192 clusters of 64 KiB).
+        assert_eq!(barrier.l2_entry_offset(8192 << 16), None);
+        let mapped = 0x8000_0000_0009_0000u64.to_be_bytes();
+        let mut table = vec![0u8; 64];
+        table[24..32].copy_from_slice(&mapped);
+        table[8..16].copy_from_slice(&[0x11; 8]);
+        barrier.hold_entry(entry, 0);
+        write(&storage, L2, &table);
+        assert_eq!(
+            on_disk(&file, L2 + 8, 8),
+            [0x11; 8],
+            "the rest of the table"
+        );
+        assert_eq!(
+            on_disk(&file, entry, 8),
+            [0; 8],
+            "the entry reached the file"
+        );
+        assert_eq!(
+            read(&storage, entry, 8),
+            mapped,
+            "imago reads what it wrote"
+        );
+        barrier.land(entry);
+        assert_eq!(on_disk(&file, entry, 8), [0; 8]);
+        assert!(!barrier.is_empty());
+        barrier.apply().unwrap();
+        assert_eq!(on_disk(&file, entry, 8), mapped);
+        // Landed, then the table written again: what imago wrote last stays.
+        let second = L2 + 5 * 8;
+        barrier.hold_entry(second, 0);
+        write(&storage, second, &[0x22; 8]);
+        assert_eq!(on_disk(&file, second, 8), [0; 8]);
+        barrier.land(second);
+        write(&storage, L2, &[0x33; 64]);
+        barrier.apply().unwrap();
+        assert_eq!(on_disk(&file, second, 8), [0x33; 8]);
+        // Forgotten (undone): nothing is written for it.
+        let third = L2 + 6 * 8;
+        barrier.hold_entry(third, 0);
+        write(&storage, third, &[0x44; 8]);
+        barrier.forget(third);
+        barrier.apply().unwrap();
+        assert_eq!(on_disk(&file, third, 8), [0; 8]);
+        assert!(barrier.is_empty());
     }
 
     #[test]

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
-use imago::{FormatAccess, Mapping};
+use imago::{FormatAccess, Mapping, ShallowMapping};
 use log::{error, info};
 
 use crate::metadata_file::{Barrier, MetadataFile};
@@ -155,6 +155,25 @@ impl std::fmt::Debug for Allocation {
             .field("len", &self.len)
             .field("prepared", &self.state.is_some())
             .finish()
+    }
+}
+
+/// A cluster allocated by [`Qcow2Image::allocate_cluster_ahead`], whose data the caller
+/// writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterAllocation {
+    /// Where in the image file the cluster's data goes.
+    pub host_offset: u64,
+    /// Where its L2 entry is in the image file.
+    entry: u64,
+    /// The guest offset of the cluster.
+    cluster_offset: u64,
+}
+
+impl ClusterAllocation {
+    /// The guest offset of the cluster.
+    pub fn cluster_offset(&self) -> u64 {
+        self.cluster_offset
     }
 }
 
@@ -606,6 +625,123 @@ impl Qcow2Image {
         }
     }
 
+    /// Allocates the cluster at guest offset `cluster_offset` for a write of all of it that
+    /// the caller makes itself, after this returns (the engine's O_DIRECT allocating writes,
+    /// which write the old data and the guest's as one cluster through io_uring). The mapping
+    /// is visible to lookups at once, so the caller must keep every other request away from
+    /// the cluster until its data is written; the file keeps the old mapping until
+    /// [`Qcow2Image::cluster_written`] (or [`Qcow2Image::cluster_not_written`] undoes it).
+    ///
+    /// `None` (nothing changed) where this does not apply: a cluster the image maps itself
+    /// (a zero cluster, a compressed or shared one: [`Qcow2Image::allocating_write`] handles
+    /// those), one that reaches past the end of the disk, one that would land in an external
+    /// data file, or one whose L2 entry cannot be found in the file.
+    pub fn allocate_cluster_ahead(
+        &self,
+        cluster_offset: u64,
+    ) -> io::Result<Option<ClusterAllocation>> {
+        if !self.writable {
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
+        }
+        let cluster = self.cluster_size();
+        if cluster_offset & cluster.saturating_sub(1) != 0
+            || !self.leaves_unallocated(cluster_offset)
+        {
+            return Ok(None);
+        }
+        // The whole cluster is overwritten: imago copies nothing.
+        let prepared = self.prepare_allocation(cluster_offset, cluster)?;
+        if prepared.layer != 0 || prepared.len != cluster || prepared.state.is_none() {
+            // Dropped: released.
+            return Ok(None);
+        }
+        // imago has written the L1 entry of a new L2 table while preparing (held or not, the
+        // barrier sees it).
+        let Some(entry) = self.barrier.l2_entry_offset(cluster_offset) else {
+            return Ok(None);
+        };
+        let host_offset = prepared.host_offset;
+        self.barrier.hold_entry(entry, 0);
+        if let Err(e) = self.commit_allocation(prepared) {
+            self.barrier.forget(entry);
+            return Err(e);
+        }
+        Ok(Some(ClusterAllocation {
+            host_offset,
+            entry,
+            cluster_offset,
+        }))
+    }
+
+    /// Whether the image leaves the cluster holding guest offset `offset` unallocated (it
+    /// reads from the backing chain, or as zeros without one) and the whole cluster is inside
+    /// the disk: what [`Qcow2Image::allocate_cluster_ahead`] allocates. Only such a cluster
+    /// has the L2 entry 0, the one the file keeps until the data lands (and the one undoing
+    /// goes back to). A lookup: an L2 cache hit makes no system call.
+    pub fn leaves_unallocated(&self, offset: u64) -> bool {
+        let cluster = self.cluster_size();
+        let start = offset & !cluster.saturating_sub(1);
+        // With an external data file, imago puts the data there, not in the image file.
+        let data_file = self.layers.iter().filter(|l| l.top).count() > 1;
+        if !self.writable
+            || data_file
+            || start
+                .checked_add(cluster)
+                .is_none_or(|end| end > self.size())
+        {
+            return false;
+        }
+        matches!(
+            self.top.get_shallow_mapping(start, cluster),
+            Ok((
+                ShallowMapping::Indirect { .. }
+                    | ShallowMapping::Zero {
+                        explicit: false,
+                        ..
+                    },
+                _
+            ))
+        )
+    }
+
+    /// Whether the cluster holding guest offset `offset` reads from the backing chain (the
+    /// image leaves it unallocated, and has a backing file).
+    pub fn backing_shows_through(&self, offset: u64) -> bool {
+        let cluster = self.cluster_size();
+        matches!(
+            self.top
+                .get_shallow_mapping(offset & !cluster.saturating_sub(1), cluster),
+            Ok((ShallowMapping::Indirect { .. }, _))
+        )
+    }
+
+    /// The data of a [`Qcow2Image::allocate_cluster_ahead`] cluster is in the file: its
+    /// mapping may follow (with the next write-back).
+    pub fn cluster_written(&self, allocation: &ClusterAllocation) {
+        self.barrier.land(allocation.entry);
+    }
+
+    /// Writing the data of a [`Qcow2Image::allocate_cluster_ahead`] cluster failed: the cluster
+    /// is unallocated again (its data cluster freed) and reads as before.
+    pub fn cluster_not_written(&mut self, allocation: &ClusterAllocation) -> io::Result<()> {
+        let undone = self
+            .top
+            .discard_to_backing(allocation.cluster_offset, self.cluster_size());
+        if undone.is_ok() {
+            self.barrier.forget(allocation.entry);
+            return self.write_back();
+        }
+        // The mapping stays in imago's caches, pointing at a cluster without its data; the
+        // file keeps the old one (the entry stays held). Nothing more is written to the image.
+        error!(
+            "undoing the allocation of the cluster at guest offset {} failed; serving the \
+             image read-only",
+            allocation.cluster_offset
+        );
+        self.writable = false;
+        undone
+    }
+
     /// Zeroes the range (write-zeroes): with `unmap`, whole clusters become zero clusters
     /// whose data clusters are freed (nothing of a backing file shows through); without it
     /// they become zero clusters that keep their allocation; partial clusters at the ends are
@@ -844,6 +980,75 @@ mod tests {
         } else {
             Err(io::Error::last_os_error())
         }
+    }
+
+    /// A cluster allocated ahead is mapped in imago at once, but the file keeps the old
+    /// mapping through every write-back until its data is written; written, it follows; one
+    /// whose write failed is unmapped again and reads as before. Only clusters the image
+    /// leaves unallocated, wholly inside the disk, are allocated so.
+    #[test]
+    fn clusters_allocated_ahead_reach_the_file_only_once_written() {
+        let dir = Dir::new("ahead");
+        let (base, top) = overlay_on_pattern(&dir.0, 8 * MIB, CLUSTER);
+        let base_bytes = std::fs::read(&base).unwrap();
+        // What another process opening the file now would see at guest `at`.
+        let from_file = |at: u64| {
+            let again = open(&top, &base);
+            match again.map(at, 4096).unwrap() {
+                Extent::Data { layer, .. } => layer,
+                other => panic!("{other:?}"),
+            }
+        };
+        let mut image = open(&top, &base);
+        assert!(image.leaves_unallocated(CLUSTER + 512));
+        assert_eq!(image.allocate_cluster_ahead(CLUSTER + 512).unwrap(), None);
+        let kept = image.allocate_cluster_ahead(CLUSTER).unwrap().unwrap();
+        let undone = image.allocate_cluster_ahead(3 * MIB).unwrap().unwrap();
+        assert_eq!(kept.cluster_offset(), CLUSTER);
+        // Mapped already: a write there goes straight to the new cluster.
+        let Extent::Data {
+            layer: 0,
+            host_offset,
+            writable: true,
+            ..
+        } = image.map(CLUSTER, 4096).unwrap()
+        else {
+            panic!("not mapped in imago's caches");
+        };
+        assert_eq!(host_offset, kept.host_offset);
+        assert!(!image.leaves_unallocated(CLUSTER));
+        image.flush_metadata().unwrap();
+        assert_eq!(from_file(CLUSTER), 1, "the mapping reached the file early");
+        assert_eq!(from_file(3 * MIB), 1, "the mapping reached the file early");
+        let fd = image.layer_fd(0).unwrap();
+        pwrite(fd, kept.host_offset, &[0x61; CLUSTER as usize]).unwrap();
+        image.cluster_written(&kept);
+        image.flush_metadata().unwrap();
+        assert_eq!(
+            from_file(CLUSTER),
+            0,
+            "the written cluster is not in the file"
+        );
+        assert_bytes(
+            &read_as_engine(&image, CLUSTER, CLUSTER),
+            &[0x61; CLUSTER as usize],
+            "the written cluster",
+        );
+        image.cluster_not_written(&undone).unwrap();
+        assert!(image.leaves_unallocated(3 * MIB));
+        let at = (3 * MIB) as usize;
+        assert_bytes(
+            &read_as_engine(&image, 3 * MIB, CLUSTER),
+            &base_bytes[at..at + CLUSTER as usize],
+            "the undone cluster",
+        );
+        // Past the end of the disk, or a cluster the image maps itself: not so.
+        assert!(!image.leaves_unallocated(8 * MIB));
+        assert!(!image.leaves_unallocated(CLUSTER));
+        drop(image);
+        assert_eq!(from_file(3 * MIB), 1);
+        let (code, out) = qemu_img(&["check", path(&top)]);
+        assert_eq!(code, 0, "{out}");
     }
 
     /// Allocations prepared in different L2 tables stay open together while their data is

@@ -11,7 +11,10 @@
 //!   [`crate::qcow2`] for why it holds nothing across the loop). Two parts that could wait
 //!   for a device are moved off it: the old data the copy reads is first read into the page
 //!   cache through io_uring ([`Prefetch`]), and the metadata is written back once per pass of
-//!   the loop, before anything it completed is published ([`Core::write_back_allocations`]);
+//!   the loop, before anything it completed is published ([`Core::write_back_allocations`]).
+//!   On an image served through O_DIRECT, a write that leaves part of its cluster to the
+//!   backing chain instead writes the whole cluster through io_uring
+//!   (`engine/cluster_write.rs`), and other requests into that cluster wait for it;
 //! - write-zeroes and discard become zero clusters through imago (one that frees clusters
 //!   first waits for the writes at the device into its range); a flush writes the metadata
 //!   back before its fdatasync.
@@ -81,12 +84,19 @@ impl Core {
     /// allocation).
     fn next_extent(&mut self, slot: u32) -> Result<Next, EngineError> {
         let count = self.slots.count();
+        let (offset, remaining) = self
+            .states
+            .get(slot as usize)
+            .map(|state| (state.guest_offset(), state.remaining()))
+            .ok_or(EngineError::BadSlot { slot, count })?;
+        if self.wait_for_cluster_writes(slot, offset, remaining) {
+            return Ok(Next::Queued);
+        }
         let bad_slot = EngineError::BadSlot { slot, count };
         let Core {
             states,
             image,
             prefetch,
-            prefetch_sink,
             ..
         } = self;
         let state = states.get_mut(slot as usize).ok_or(bad_slot)?;
@@ -97,7 +107,6 @@ impl Core {
         let Some(chain) = image.qcow2_chain_mut() else {
             return Ok(Next::Step(state.fail(libc::EBADF)));
         };
-        let offset = state.guest_offset();
         let write = state.opcode() == Opcode::Write;
         let extent = match chain.map(offset, state.remaining().min(MAX_EXTENT)) {
             Ok(extent) if !extent.is_empty() => extent,
@@ -158,11 +167,56 @@ impl Core {
                 }
             }
             (extent, _) => {
+                let len = extent.len();
+                // `Read`: sent back to the in-place allocation (see `map_in_place`).
+                if *prefetch == Prefetch::None && self.begin_cluster_write(slot, offset)? {
+                    return Ok(Next::Queued);
+                }
+                return self.allocate_in_place(slot, offset, len);
+            }
+        };
+        Ok(Next::Step(step))
+    }
+
+    /// Runs the slot's allocating write in place (see the module): the in-place path of a
+    /// cluster [`Core::begin_cluster_write`] found it could not allocate ahead after all.
+    pub(super) fn map_in_place(&mut self, slot: u32) -> Result<(), EngineError> {
+        if let Some(prefetch) = self.prefetch.get_mut(slot as usize) {
+            // No read ahead either: the fill read the old data into the page cache.
+            *prefetch = Prefetch::Read;
+        }
+        self.map_transfer(slot)
+    }
+
+    /// An allocating write of the slot's next `len` bytes at guest `offset` through imago,
+    /// which copies what the write leaves of the old data (read ahead into the page cache
+    /// first, through io_uring, where reads may wait for a device).
+    fn allocate_in_place(&mut self, slot: u32, offset: u64, len: u64) -> Result<Next, EngineError> {
+        let count = self.slots.count();
+        let Core {
+            states,
+            image,
+            prefetch,
+            prefetch_sink,
+            ..
+        } = self;
+        let state = states
+            .get_mut(slot as usize)
+            .ok_or(EngineError::BadSlot { slot, count })?;
+        let prefetch = prefetch
+            .get_mut(slot as usize)
+            .ok_or(EngineError::BadSlot { slot, count })?;
+        let inline = image.transfers_inline();
+        let Some(chain) = image.qcow2_chain_mut() else {
+            return Ok(Next::Step(state.fail(libc::EBADF)));
+        };
+        let step = {
+            {
                 // The copy-on-write inside imago's allocation reads the old data on this
                 // thread: on an image whose reads may wait for a device, that data is read
                 // into the page cache through io_uring first, so the loop waits for no device.
                 let source = (!inline && *prefetch == Prefetch::None)
-                    .then(|| chain.copy_on_write_source(offset, extent.len()))
+                    .then(|| chain.copy_on_write_source(offset, len))
                     .flatten()
                     .filter(|&(layer, _, _)| chain.layer_fd(layer).is_some());
                 if let Some((layer, host_offset, len)) = source {
@@ -183,10 +237,8 @@ impl Core {
                 // Committed in imago's caches only: the loop writes the metadata back once for
                 // every allocation of its pass, before any of them is acknowledged
                 // ([`Core::write_back_allocations`]).
-                let result = chain.allocating_write_in_memory(
-                    offset,
-                    extent.len(),
-                    |fd, host_offset, len| {
+                let result =
+                    chain.allocating_write_in_memory(offset, len, |fd, host_offset, len| {
                         state.set_target(TransferTarget {
                             layer: 0,
                             host_offset,
@@ -194,8 +246,7 @@ impl Core {
                         });
                         let transfer = state.next_transfer(None);
                         write_all(fd, iovecs_of(&transfer), host_offset)
-                    },
-                );
+                    });
                 match result {
                     Ok(written) => {
                         if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
@@ -270,6 +321,17 @@ impl Core {
     pub(super) fn zero_or_discard(&mut self, slot: u32) -> Result<(), EngineError> {
         let count = self.slots.count();
         loop {
+            let Some((range, opcode)) = self
+                .states
+                .get(slot as usize)
+                .map(|state| (state.current_range(), state.opcode()))
+            else {
+                return Err(EngineError::BadSlot { slot, count });
+            };
+            // A cluster being allocated through O_DIRECT is left alone until its data landed.
+            if range.is_some_and(|r| self.wait_for_cluster_writes(slot, r.offset, r.len)) {
+                return Ok(());
+            }
             let Core {
                 states,
                 image,
@@ -277,12 +339,6 @@ impl Core {
                 parked,
                 ..
             } = self;
-            let Some((range, opcode)) = states
-                .get(slot as usize)
-                .map(|state| (state.current_range(), state.opcode()))
-            else {
-                return Err(EngineError::BadSlot { slot, count });
-            };
             let unmap = range.is_some_and(|r| r.mode == RangeMode::PunchHole.flags());
             if let Some(range) = range.filter(|_| opcode == Opcode::Discard || unmap) {
                 if write_at_device_over(states, slot, range.offset, range.len) {
@@ -443,7 +499,7 @@ fn limited(state: &mut slot::SlotState, len: u64) -> slot::Transfer {
 }
 
 /// The iovecs of a transfer.
-fn iovecs_of(transfer: &slot::Transfer) -> &[libc::iovec] {
+pub(super) fn iovecs_of(transfer: &slot::Transfer) -> &[libc::iovec] {
     if transfer.count == 0 || transfer.iovecs.is_null() {
         return &[];
     }
