@@ -647,7 +647,6 @@ impl Core {
         if let Some(pending) = self.write_back_pending.get_mut(slot as usize) {
             *pending = false;
         }
-        self.reset_cluster_write(slot);
         let state = usize::try_from(slot)
             .ok()
             .and_then(|index| self.states.get_mut(index))

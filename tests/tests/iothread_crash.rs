@@ -1,7 +1,9 @@
 //! An iothread killed with SIGKILL in the middle of I/O: the frontend starts a new one and
 //! resubmits what was in flight, so the client sees neither an error nor wrong data — on a raw
-//! image, and on a fresh qcow2 image whose clusters the killed iothreads were allocating (then
-//! `qemu-img check` must find nothing worse than leaked clusters).
+//! image, on a fresh qcow2 image whose clusters the killed iothreads were allocating, and on a
+//! thin clone whose clusters they were filling from the base and writing whole through
+//! O_DIRECT (then `qemu-img check` must find nothing worse than leaked clusters, and what the
+//! writes left of each cluster must still be the base's).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use blkplane_tests::client::errno_name;
 use blkplane_tests::frontend::{iothread_pids, kill_iothread};
-use blkplane_tests::qemu_img::{assert_check_clean, convert_to_raw, create_qcow2};
+use blkplane_tests::qemu_img::{assert_check_clean, convert_to_raw, create_overlay, create_qcow2};
 use blkplane_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -33,6 +35,18 @@ impl Drop for SetOnDrop<'_> {
     }
 }
 
+/// The image the I/O runs on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// A raw file.
+    Raw,
+    /// A fresh qcow2 image of 4 KiB clusters: every write allocates sixteen whole clusters.
+    FreshQcow2,
+    /// A qcow2 overlay of 128 KiB clusters on a raw base of random data, written every other
+    /// chunk: every write allocates a cluster half of which is the base's.
+    ThinClone,
+}
+
 fn seed(queue: usize, round: u64, chunk: usize) -> u64 {
     ((queue as u64) << 56) | (round << 32) | chunk as u64
 }
@@ -42,17 +56,36 @@ fn seed(queue: usize, round: u64, chunk: usize) -> u64 {
 /// after [`OPS_BETWEEN_KILLS`] more completions. The I/O goes on until every queue has done
 /// one whole round after the last kill. Then nothing may have failed, every byte must be
 /// right, and the iothreads that were not killed must be the same processes.
-fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool) {
+fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, layout: Layout) {
     let dir = TempDir::new("crash");
     // A qcow2 image large enough that every kill lands in the first round, while each write
-    // allocates (4 KiB clusters: sixteen per write).
-    let size = if qcow2 { 64 * MIB } else { 16 * MIB };
-    let per_queue = size / queues as u64;
-    let chunks = (per_queue / CHUNK as u64) as usize;
-    let img = if qcow2 {
-        create_qcow2(&dir.join("disk.qcow2"), "cluster_size=4096", size)
+    // allocates.
+    let size = if layout == Layout::Raw {
+        16 * MIB
     } else {
-        create_image(&dir.join("disk.img"), size)
+        64 * MIB
+    };
+    let per_queue = size / queues as u64;
+    // The distance between two writes' offsets.
+    let stride = if layout == Layout::ThinClone {
+        2 * CHUNK
+    } else {
+        CHUNK
+    };
+    let chunks = (per_queue / stride as u64) as usize;
+    let base = dir.join("base.raw");
+    let img = match layout {
+        Layout::Raw => create_image(&dir.join("disk.img"), size),
+        Layout::FreshQcow2 => create_qcow2(&dir.join("disk.qcow2"), "cluster_size=4096", size),
+        Layout::ThinClone => {
+            create_random_image(&base, size, 29);
+            create_overlay(
+                &dir.join("clone.qcow2"),
+                base.to_str().unwrap(),
+                "raw",
+                "cluster_size=131072",
+            )
+        }
     };
     let (q_arg, t_arg) = (queues.to_string(), iothreads.to_string());
     let mut fe = Frontend::start(&img, &["--num-queues", &q_arg, "--iothreads", &t_arg]);
@@ -125,7 +158,7 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
             .map(|(qi, q)| {
                 let (progress, killer_done, error) = (&progress, &killer_done, &error);
                 s.spawn(move || {
-                    let base = qi as u64 * per_queue;
+                    let start = qi as u64 * per_queue;
                     let mut round = 0u64;
                     loop {
                         let clean_round = killer_done.load(Ordering::SeqCst);
@@ -135,7 +168,7 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
                             |i, slot| {
                                 slot[..CHUNK].copy_from_slice(&pattern(seed(qi, round, i), CHUNK));
                                 Op::Write {
-                                    offset: base + (i * CHUNK) as u64,
+                                    offset: start + (i * stride) as u64,
                                     buf: 0,
                                     len: CHUNK,
                                 }
@@ -154,7 +187,7 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
                             chunks,
                             DEPTH,
                             |i, _| Op::Read {
-                                offset: base + (i * CHUNK) as u64,
+                                offset: start + (i * stride) as u64,
                                 buf: 0,
                                 len: CHUNK,
                             },
@@ -199,7 +232,7 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
             .unwrap_or_else(|e| panic!("flush: {}", errno_name(e)));
     }
     drop(c);
-    let file = if qcow2 {
+    let file = if layout != Layout::Raw {
         // Leaked clusters (allocated by a killed iothread, never mapped) are what QEMU accepts
         // after a crash too; anything else is corruption.
         let report = assert_check_clean(&img, true);
@@ -208,14 +241,28 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
     } else {
         read_file(&img)
     };
+    let base_bytes = if layout == Layout::ThinClone {
+        read_file(&base)
+    } else {
+        Vec::new()
+    };
     for (qi, &round) in last_rounds.iter().enumerate() {
         for i in 0..chunks {
-            let at = (qi as u64 * per_queue) as usize + i * CHUNK;
+            let at = (qi as u64 * per_queue) as usize + i * stride;
             assert_same_data(
                 &format!("image file, queue {qi} chunk {i}"),
                 &file[at..at + CHUNK],
                 &pattern(seed(qi, round, i), CHUNK),
             );
+            if stride > CHUNK {
+                // The half of the cluster no write touched: the base's, copied by the fill.
+                let rest = at + CHUNK..at + stride;
+                assert_same_data(
+                    &format!("image file, queue {qi} after chunk {i} (the base's)"),
+                    &file[rest.clone()],
+                    &base_bytes[rest],
+                );
+            }
         }
     }
     fe.assert_running("iothread kills");
@@ -245,15 +292,20 @@ fn sigkill_during_io(queues: usize, iothreads: usize, kills: usize, qcow2: bool)
 
 #[test]
 fn iothread_sigkill_during_io() {
-    sigkill_during_io(1, 1, 2, false);
+    sigkill_during_io(1, 1, 2, Layout::Raw);
 }
 
 #[test]
 fn iothread_sigkill_during_allocating_qcow2_writes() {
-    sigkill_during_io(1, 1, 3, true);
+    sigkill_during_io(1, 1, 3, Layout::FreshQcow2);
+}
+
+#[test]
+fn iothread_sigkill_during_thin_clone_cluster_writes() {
+    sigkill_during_io(1, 1, 3, Layout::ThinClone);
 }
 
 #[test]
 fn one_of_two_iothreads_sigkilled_during_io() {
-    sigkill_during_io(2, 2, 1, false);
+    sigkill_during_io(2, 2, 1, Layout::Raw);
 }

@@ -89,8 +89,18 @@ impl Core {
             .get(slot as usize)
             .map(|state| (state.guest_offset(), state.remaining()))
             .ok_or(EngineError::BadSlot { slot, count })?;
-        if self.wait_for_cluster_writes(slot, offset, remaining) {
+        // Up to the first cluster being written whole (a mapping may run into it: its new
+        // cluster can follow the last one in the file); waits if it starts in one.
+        let Some(clear) = self.clear_of_cluster_writes(slot, offset, remaining) else {
             return Ok(Next::Queued);
+        };
+        if self.cluster_writes.is_poisoned(offset, clear) {
+            let step = self
+                .states
+                .get_mut(slot as usize)
+                .ok_or(EngineError::BadSlot { slot, count })?
+                .fail(libc::EIO);
+            return Ok(Next::Step(step));
         }
         let bad_slot = EngineError::BadSlot { slot, count };
         let Core {
@@ -108,7 +118,7 @@ impl Core {
             return Ok(Next::Step(state.fail(libc::EBADF)));
         };
         let write = state.opcode() == Opcode::Write;
-        let extent = match chain.map(offset, state.remaining().min(MAX_EXTENT)) {
+        let extent = match chain.map(offset, clear.min(MAX_EXTENT)) {
             Ok(extent) if !extent.is_empty() => extent,
             Ok(_) => return Ok(Next::Step(state.fail(libc::EIO))),
             Err(e) => {

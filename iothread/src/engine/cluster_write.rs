@@ -36,8 +36,20 @@ use super::{Core, EngineError, Token};
 use crate::qcow2::{ClusterAllocation, Extent};
 use crate::slot::TransferTarget;
 
-/// The most memory the cluster buffers of one iothread take.
-const BUFFER_BUDGET: usize = 16 << 20;
+/// The most memory the cluster buffers of one iothread take (resident only as far as
+/// used: the free list hands out the buffer freed last first).
+const BUFFER_BUDGET: usize = 8 << 20;
+
+/// The most cluster writes in flight at once (beyond queue depth 64 they wait for a buffer).
+const MAX_BUFFERS: usize = 64;
+
+/// How far beyond a cluster write that would extend the image file the file is extended at
+/// once (allocated, reading as zeros, refcounted by nothing: imago's allocator hands those
+/// clusters out next). An O_DIRECT write past the end of a file runs alone: ext4 takes the
+/// inode lock exclusively for it and holds it through the device time; one inside the file,
+/// into allocated (unwritten) blocks, takes it shared, so cluster writes overlap — as QEMU's
+/// `preallocate` filter does it for the same reason.
+const PREALLOCATE: u64 = 8 << 20;
 
 /// The alignment of the buffers: O_DIRECT's on any device.
 const BUFFER_ALIGN: usize = 4096;
@@ -84,6 +96,16 @@ pub(super) struct ClusterWrites {
     waiting: VecDeque<u32>,
     /// A cluster write ended since the waiting slots were last retried.
     ended: bool,
+    /// Clusters whose write failed and whose mapping could not be undone: imago maps them to a
+    /// cluster without their data, so every request that meets one fails (the image is
+    /// read-only from then on; the file keeps the old mapping).
+    poisoned: Vec<Range<u64>>,
+    /// The O_DIRECT fd refused a cluster write's alignment: allocations run in place.
+    direct_refused: bool,
+    /// How far the image file is known to reach (extended ahead by [`PREALLOCATE`]).
+    file_end: u64,
+    /// Extending the file ahead failed once: not tried again.
+    preallocation_failed: bool,
 }
 
 impl ClusterWrites {
@@ -109,39 +131,60 @@ impl ClusterWrites {
             in_flight: Vec::new(),
             waiting,
             ended: false,
+            poisoned: Vec::new(),
+            direct_refused: false,
+            file_end: 0,
+            preallocation_failed: false,
         })
     }
 
     /// Whether a cluster being written overlaps the `len` guest bytes at `offset`.
     pub(super) fn blocks(&self, offset: u64, len: u64) -> bool {
-        let end = offset.saturating_add(len);
-        self.in_flight
-            .iter()
-            .any(|range| range.start < end && offset < range.end)
+        overlaps(&self.in_flight, offset, len)
     }
 
-    /// Sets up `count` buffers of `cluster` bytes, once; false if that cannot be done.
-    fn ensure_buffers(&mut self, cluster: usize, slots: usize) -> bool {
+    /// How many of the `len` guest bytes at `offset` come before the first cluster being
+    /// written; `None` if `offset` is in one.
+    fn clear_len(&self, offset: u64, len: u64) -> Option<u64> {
+        let mut clear = len;
+        for range in &self.in_flight {
+            if range.contains(&offset) {
+                return None;
+            }
+            if range.start > offset {
+                clear = clear.min(range.start.saturating_sub(offset));
+            }
+        }
+        Some(clear)
+    }
+
+    /// Whether the `len` guest bytes at `offset` meet a cluster whose failed write could not
+    /// be undone (see [`ClusterWrites::poisoned`]).
+    pub(super) fn is_poisoned(&self, offset: u64, len: u64) -> bool {
+        !self.poisoned.is_empty() && overlaps(&self.poisoned, offset, len)
+    }
+
+    /// Sets up buffers of `cluster` bytes aligned to `align` (a power of two), once: as many as
+    /// [`BUFFER_BUDGET`] holds, at most one per slot and [`MAX_BUFFERS`]; false if that cannot be done.
+    fn ensure_buffers(&mut self, cluster: usize, align: usize, slots: usize) -> bool {
         if !self.memory.is_empty() {
             return self.cluster == cluster;
         }
         let count = BUFFER_BUDGET
             .checked_div(cluster)
             .unwrap_or(1)
-            .clamp(1, slots.max(1));
+            .clamp(1, slots.clamp(1, MAX_BUFFERS));
         let Some(bytes) = cluster
             .checked_mul(count)
-            .and_then(|n| n.checked_add(BUFFER_ALIGN))
+            .and_then(|n| n.checked_add(align))
         else {
             return false;
         };
-        let mut memory = Vec::new();
-        if memory.try_reserve_exact(bytes).is_err() {
-            return false;
-        }
-        memory.resize(bytes, 0u8);
-        let start = memory.as_ptr().align_offset(BUFFER_ALIGN);
-        if start >= BUFFER_ALIGN {
+        // Zeroed by the allocator (fresh anonymous pages for a size like this): only the
+        // buffers in use become resident, not the whole budget.
+        let mut memory = vec![0u8; bytes];
+        let start = memory.as_ptr().align_offset(align);
+        if start >= align {
             return false;
         }
         self.iovecs = (0..count)
@@ -222,6 +265,7 @@ impl Core {
         // write in place, to the page cache, which measured faster (BENCHMARKS.md).
         let whole = offset == cluster && remaining >= cluster_size;
         if whole
+            || self.cluster_writes.direct_refused
             || self.image.transfers_inline()
             || self.image.direct().is_none()
             || cluster_size.checked_rem(block) != Some(0)
@@ -231,8 +275,9 @@ impl Core {
             return Ok(false);
         }
         let slots = self.states.len();
+        let align = blkplane_proto::usize_from(block).max(BUFFER_ALIGN);
         let writes = &mut self.cluster_writes;
-        if !writes.ensure_buffers(blkplane_proto::usize_from(cluster_size), slots) {
+        if !writes.ensure_buffers(blkplane_proto::usize_from(cluster_size), align, slots) {
             return Ok(false);
         }
         let Some(buffer) = writes.free.pop() else {
@@ -440,6 +485,10 @@ impl Core {
             warn!("ignoring a stale cluster fill completion for slot {slot}");
             return Ok(());
         };
+        if matches!(result.saturating_neg(), libc::EAGAIN | libc::EINTR) {
+            self.pending.push_back(Token::FillCluster { slot });
+            return Ok(());
+        }
         if result < 0 {
             if self.complaints.should_log() {
                 warn!(
@@ -517,6 +566,12 @@ impl Core {
             copied = copied.saturating_add(to.len());
         }
         let guest_bytes = copied as u64;
+        if guest_bytes < guest_len {
+            // More iovecs than one transfer takes: the bytes after them were not read into
+            // the buffer either. Allocated in place instead.
+            self.cluster_writes.end(slot);
+            return self.map_in_place(slot);
+        }
         let Some(chain) = self.image.qcow2_chain() else {
             return self.fail_cluster_write(slot, libc::EBADF);
         };
@@ -529,6 +584,8 @@ impl Core {
                         guest_bytes,
                     };
                 }
+                let size = self.cluster_writes.cluster as u64;
+                self.reserve_file(allocation.host_offset.saturating_add(size), size);
                 self.counters.count_queued();
                 self.pending.push_back(Token::WriteCluster { slot });
                 Ok(())
@@ -548,6 +605,52 @@ impl Core {
         }
     }
 
+    /// Makes the image file (a regular file) reach at least `end` before a cluster write
+    /// there, extending it by [`PREALLOCATE`] past that (rounded to `cluster`) when it does
+    /// not. A failure costs only speed: the write then extends the file itself.
+    fn reserve_file(&mut self, end: u64, cluster: u64) {
+        let writes = &mut self.cluster_writes;
+        if end <= writes.file_end || writes.preallocation_failed {
+            return;
+        }
+        let Some(file) = self.image.direct() else {
+            return;
+        };
+        match file.metadata() {
+            Ok(meta) if meta.file_type().is_file() => writes.file_end = meta.len(),
+            _ => {
+                writes.preallocation_failed = true;
+                return;
+            }
+        }
+        if end <= writes.file_end {
+            return;
+        }
+        let target = end
+            .saturating_add(PREALLOCATE)
+            .checked_next_multiple_of(cluster.max(1))
+            .unwrap_or(end);
+        let (Ok(offset), Ok(len)) = (
+            libc::off_t::try_from(writes.file_end),
+            libc::off_t::try_from(target.saturating_sub(writes.file_end)),
+        ) else {
+            return;
+        };
+        // SAFETY: fallocate on the image's own fd; integer arguments only. Mode 0 allocates
+        // the range and extends the file's size over it; nothing existing changes.
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(file), 0, offset, len) };
+        if rc == 0 {
+            writes.file_end = target;
+        } else {
+            writes.preallocation_failed = true;
+            warn!(
+                "extending the image file ahead of its allocations failed ({}); cluster \
+                 writes extend it one at a time",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
     /// The slot's cluster write completed with `result`.
     pub(super) fn cluster_written(&mut self, slot: u32, result: i32) -> Result<(), EngineError> {
         let count = self.slots.count();
@@ -561,15 +664,18 @@ impl Core {
             return Ok(());
         };
         let whole = u64::try_from(result).is_ok_and(|n| n == self.cluster_writes.cluster as u64);
+        let errno = match result {
+            r if r < 0 => r.saturating_neg(),
+            _ => libc::EIO,
+        };
+        if !whole && matches!(errno, libc::EAGAIN | libc::EINTR) {
+            self.pending.push_back(Token::WriteCluster { slot });
+            return Ok(());
+        }
         let Some(chain) = self.image.qcow2_chain_mut() else {
             return self.fail_cluster_write(slot, libc::EBADF);
         };
         if !whole {
-            let errno = if result < 0 {
-                result.saturating_neg()
-            } else {
-                libc::EIO
-            };
             if self.complaints.should_log() {
                 warn!(
                     "slot {slot}: writing the new cluster at guest offset {}: {}",
@@ -577,8 +683,23 @@ impl Core {
                     std::io::Error::from_raw_os_error(errno)
                 );
             }
+            let cluster = allocation.cluster_offset();
             if let Err(e) = chain.cluster_not_written(&allocation) {
-                warn!("slot {slot}: undoing the allocation: {e}");
+                warn!(
+                    "slot {slot}: undoing the allocation: {e}; requests into it fail from now on"
+                );
+                let size = self.cluster_writes.cluster as u64;
+                self.cluster_writes
+                    .poisoned
+                    .push(cluster..cluster.saturating_add(size));
+                return self.fail_cluster_write(slot, errno);
+            }
+            if errno == libc::EINVAL && result < 0 {
+                // The O_DIRECT fd refuses the alignment: in place from now on.
+                warn!("the image's O_DIRECT fd refused a cluster write; allocating in place");
+                self.cluster_writes.direct_refused = true;
+                self.cluster_writes.end(slot);
+                return self.map_in_place(slot);
             }
             return self.fail_cluster_write(slot, errno);
         }
@@ -618,6 +739,21 @@ impl Core {
         true
     }
 
+    /// How many of the slot's next `len` bytes at `offset` come before the first cluster in
+    /// flight; `None` (the slot parked until a cluster write ends) if `offset` is in one.
+    pub(super) fn clear_of_cluster_writes(
+        &mut self,
+        slot: u32,
+        offset: u64,
+        len: u64,
+    ) -> Option<u64> {
+        let clear = self.cluster_writes.clear_len(offset, len);
+        if clear.is_none() {
+            self.cluster_writes.waiting.push_back(slot);
+        }
+        clear
+    }
+
     /// Runs the slots that waited for a cluster write again, once one has ended (each waits
     /// anew if it still has to).
     pub(super) fn retry_cluster_waiters(&mut self) -> Result<(), EngineError> {
@@ -645,14 +781,89 @@ impl Core {
     pub(super) fn cluster_waiters(&self) -> bool {
         !self.cluster_writes.waiting.is_empty()
     }
+}
 
-    /// Forgets the slot's cluster write state when it starts a new request.
-    pub(super) fn reset_cluster_write(&mut self, slot: u32) {
-        if let Some(state) = self.cluster_writes.states.get_mut(slot as usize) {
-            if *state != ClusterWrite::Idle {
-                warn!("slot {slot}: a new request while its cluster write was {state:?}");
-                self.cluster_writes.end(slot);
-            }
+/// Whether any of `ranges` overlaps the `len` bytes at `offset`.
+fn overlaps(ranges: &[Range<u64>], offset: u64, len: u64) -> bool {
+    let end = offset.saturating_add(len);
+    ranges
+        .iter()
+        .any(|range| range.start < end && offset < range.end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_stop_short_of_clusters_being_written() {
+        let mut writes = ClusterWrites::new(4).unwrap();
+        writes.in_flight.push(65536..131072);
+        // A mapping from before the cluster stops at it; one inside waits; one after, or
+        // short of it, goes on.
+        assert_eq!(writes.clear_len(0, 200_000), Some(65536));
+        assert_eq!(writes.clear_len(65536 + 512, 4096), None);
+        assert_eq!(writes.clear_len(131072, 4096), Some(4096));
+        assert_eq!(writes.clear_len(0, 4096), Some(4096));
+        assert!(writes.blocks(0, 65537));
+        assert!(!writes.blocks(0, 65536));
+        assert!(writes.blocks(131071, u64::MAX), "cut, not wrapped");
+        assert!(!writes.is_poisoned(0, u64::MAX));
+        writes.poisoned.push(0..4096);
+        assert!(writes.is_poisoned(4095, 1));
+        assert!(!writes.is_poisoned(4096, 4096));
+    }
+
+    #[test]
+    fn buffers_are_aligned_and_each_handed_out_once() {
+        let mut writes = ClusterWrites::new(8).unwrap();
+        assert!(writes.ensure_buffers(65536, 4096, 8));
+        assert!(
+            !writes.ensure_buffers(4096, 4096, 8),
+            "another cluster size"
+        );
+        // At most one per slot.
+        assert_eq!(writes.free.len(), 8);
+        for buffer in 0..8u32 {
+            let base = writes.buffer_mut(buffer).unwrap().as_ptr() as usize;
+            assert_eq!(base % 4096, 0);
+            assert_eq!(writes.iovecs[buffer as usize].iov_base as usize, base);
+            assert_eq!(writes.iovecs[buffer as usize].iov_len, 65536);
         }
+        assert!(writes.buffer_mut(8).is_none());
+        // 2 MiB clusters: as many as the budget holds, aligned to a 64 KiB block.
+        let mut big = ClusterWrites::new(64).unwrap();
+        assert!(big.ensure_buffers(2 << 20, 65536, 64));
+        assert_eq!(big.free.len(), BUFFER_BUDGET / (2 << 20));
+        assert_eq!(big.buffer_mut(3).unwrap().as_ptr() as usize % 65536, 0);
+        // Small clusters: at most MAX_BUFFERS, however many the budget would hold.
+        let mut small = ClusterWrites::new(1024).unwrap();
+        assert!(small.ensure_buffers(4096, 4096, 1024));
+        assert_eq!(small.free.len(), MAX_BUFFERS);
+    }
+
+    #[test]
+    fn an_ended_cluster_write_frees_its_buffer_and_cluster() {
+        let mut writes = ClusterWrites::new(2).unwrap();
+        assert!(writes.ensure_buffers(4096, 4096, 2));
+        let buffer = writes.free.pop().unwrap();
+        writes.in_flight.push(8192..12288);
+        writes.states[1] = ClusterWrite::Filling {
+            cluster: 8192,
+            buffer,
+            filled: 0,
+            reading: 0,
+            layer: 1,
+            host_offset: 8192,
+        };
+        writes.end(1);
+        assert_eq!(writes.states[1], ClusterWrite::Idle);
+        assert!(writes.in_flight.is_empty());
+        assert_eq!(writes.free.len(), 2);
+        assert!(writes.ended);
+        // Twice, or for a slot out of range: nothing more.
+        writes.end(1);
+        writes.end(9);
+        assert_eq!(writes.free.len(), 2);
     }
 }
