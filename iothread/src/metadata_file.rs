@@ -16,6 +16,14 @@
 //! imago keeps those structures in memory once the image is open, so it never needs to read
 //! back what is held; reads that meet a held write see it anyway.
 //!
+//! A held refcount-table entry (a new refcount block's) holds the L2 tables written after it
+//! too: imago has written the refcount blocks before any L2 table that needs them, but the
+//! entry naming a new block is what makes the file count the clusters in it.
+//!
+//! And the engine's whole-cluster allocating writes map a cluster before its data is written
+//! (`engine/cluster_write.rs`): its L2 entry is kept at its old value in every write of its
+//! table until the data has landed ([`Barrier::hold_entry`]).
+//!
 //! The structures move: imago 0.2.6 writes a new L1 table on every grow (and a new refcount
 //! table when the old one is full), then the header that points there, then frees the old
 //! table. Until that header is applied, the old table is what the file's header names and the
@@ -92,6 +100,19 @@ impl Held {
             .iter()
             .chain(&self.pending)
             .any(|range| offset < range.end && range.start < end)
+    }
+
+    /// Whether a write to the refcount table (a new refcount block's entry) is held.
+    fn holds_refcount_table_write(&self) -> bool {
+        // `pointer_ranges` lists the refcount table third.
+        let tables = [self.on_disk.get(2), self.pending.get(2)];
+        self.writes.iter().any(|(at, data)| {
+            let end = at.saturating_add(data.len() as u64);
+            tables
+                .iter()
+                .flatten()
+                .any(|range| *at < range.end && range.start < end)
+        })
     }
 
     /// Whether a read of `len` bytes at `offset` must see something the file does not have
@@ -213,6 +234,39 @@ impl Barrier {
         }
         let l2_index = (guest_offset >> cluster_bits) & (1u64 << l2_bits).saturating_sub(1);
         l2_offset.checked_add(l2_index.checked_mul(8)?)
+    }
+
+    /// Whether `offset` is where an L2 table starts, as the L1 table the header names says
+    /// (with the held writes laid over both). Read from the file: only asked while a refcount
+    /// table write is held.
+    fn names_l2_table(&self, held: &Held, offset: u64) -> bool {
+        let Some(header) = read_header(&self.file) else {
+            return false;
+        };
+        let header = held.pending_header(header);
+        let (Some(l1_size), Some(l1_offset)) = (be::<4>(&header, 36), be::<8>(&header, 40)) else {
+            return false;
+        };
+        // imago refuses L1 tables beyond 32 MiB; a header naming more is not read here.
+        let Some(len) = l1_size
+            .checked_mul(8)
+            .filter(|&n| n <= 32 << 20)
+            .and_then(|n| usize::try_from(n).ok())
+        else {
+            return false;
+        };
+        let mut table = vec![0u8; len];
+        if self.file.read_exact_at(&mut table, l1_offset).is_err() {
+            return false;
+        }
+        for (at, data) in &held.writes {
+            overlay(&mut table, l1_offset, *at, data);
+        }
+        table.chunks_exact(8).any(|entry| {
+            let entry: [u8; 8] = entry.try_into().unwrap_or([0; 8]);
+            let l2_offset = u64::from_be_bytes(entry) & L1_OFFSET_MASK;
+            l2_offset != 0 && l2_offset == offset
+        })
     }
 
     /// Keeps the L2 entry at `at` out of the file: every write of its table carries `old`
@@ -427,7 +481,15 @@ impl Storage for MetadataFile {
         held.landed
             .retain(|&(at, _)| !(offset <= at && at.saturating_add(8) <= end));
         let masks = held.unlanded.iter().any(|u| meets(u.at));
-        if !masks && !held.holds(offset, bufv.len()) {
+        // An L2 table written while a new refcount block's entry in the refcount table is
+        // held waits behind it: imago has written the refcount blocks by now (it flushes them
+        // before any L2 table that needs them), but the table that names the new block is
+        // still held, and an L2 entry in the file must not point at a cluster counted only
+        // by a block the file does not name yet (a crash would leave that cluster free).
+        let behind_refcounts =
+            held.holds_refcount_table_write() && self.barrier.names_l2_table(&held, offset);
+        let hold = behind_refcounts || held.holds(offset, bufv.len());
+        if !masks && !hold {
             drop(held);
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
             return unsafe { self.inner.pure_writev(bufv, offset) };
@@ -442,7 +504,7 @@ impl Storage for MetadataFile {
             unlanded.wanted = Some(wanted);
             overlay(&mut data, offset, unlanded.at, &unlanded.old);
         }
-        if !held.holds(offset, bufv.len()) {
+        if !hold {
             drop(held);
             // SAFETY: a private buffer, which nothing else accesses during the call.
             return unsafe { self.inner.pure_writev(IoVector::from(&data[..]), offset) };
@@ -563,10 +625,11 @@ mod tests {
     fn pointer_writes_wait_for_the_barrier_and_reads_see_them() {
         let file = image();
         let (storage, barrier) = MetadataFile::open(file.try_clone().unwrap(), true, true).unwrap();
-        // An L1 entry and a refcount-table entry are held; an L2 table's write is not.
+        // An L1 entry and a refcount-table entry are held; an L2 table's write is not (while
+        // no refcount-table entry is held: see below).
         write(&storage, L1, &[0x80, 0, 0, 0, 0, 5, 0, 0]);
-        write(&storage, REFTABLE + 8, &[0, 0, 0, 0, 0, 6, 0, 0]);
         write(&storage, 0x5_0000, &[7; 16]);
+        write(&storage, REFTABLE + 8, &[0, 0, 0, 0, 0, 6, 0, 0]);
         assert_eq!(on_disk(&file, 0x5_0000, 16), [7; 16]);
         assert_eq!(
             on_disk(&file, L1, 8),
@@ -694,6 +757,48 @@ mod tests {
         barrier.apply().unwrap();
         assert_eq!(on_disk(&file, third, 8), [0; 8]);
         assert!(barrier.is_empty());
+    }
+
+    /// While a new refcount block's entry in the refcount table is held, the L2 tables the
+    /// L1 table names wait behind it (in order); the refcount block itself, and anything that
+    /// is no L2 table, is written at once. Without such an entry, L2 tables go straight on.
+    #[test]
+    fn l2_tables_wait_behind_a_held_refcount_table_entry() {
+        const L2: u64 = 0x5_0000;
+        const NEW_BLOCK: u64 = 0x6_0000;
+        let file = image();
+        let (storage, barrier) = MetadataFile::open(file.try_clone().unwrap(), true, true).unwrap();
+        write(&storage, L1, &(L2 | 1 << 63).to_be_bytes());
+        barrier.apply().unwrap();
+        write(&storage, L2, &[0x11; 16]);
+        assert_eq!(on_disk(&file, L2, 16), [0x11; 16]);
+        // imago allocates a refcount block: written, then named in the refcount table (held).
+        write(&storage, NEW_BLOCK, &[0, 1, 0, 1]);
+        write(&storage, REFTABLE + 8, &NEW_BLOCK.to_be_bytes());
+        assert_eq!(on_disk(&file, NEW_BLOCK, 4), [0, 1, 0, 1]);
+        assert_eq!(on_disk(&file, REFTABLE + 8, 8), [0; 8]);
+        // Its flush: the block again (at once), then the L2 table (held), then data (at once).
+        write(&storage, NEW_BLOCK, &[0, 1, 0, 1, 0, 1]);
+        write(&storage, L2, &[0x22; 16]);
+        write(&storage, 0x7_0000, &[0x33; 16]);
+        assert_eq!(on_disk(&file, NEW_BLOCK, 6), [0, 1, 0, 1, 0, 1]);
+        assert_eq!(
+            on_disk(&file, L2, 16),
+            [0x11; 16],
+            "the L2 table went ahead"
+        );
+        assert_eq!(on_disk(&file, 0x7_0000, 16), [0x33; 16]);
+        assert_eq!(
+            read(&storage, L2, 16),
+            [0x22; 16],
+            "imago reads what it wrote"
+        );
+        barrier.apply().unwrap();
+        assert_eq!(on_disk(&file, REFTABLE + 8, 8), NEW_BLOCK.to_be_bytes());
+        assert_eq!(on_disk(&file, L2, 16), [0x22; 16]);
+        // Nothing held: straight on again.
+        write(&storage, L2, &[0x44; 16]);
+        assert_eq!(on_disk(&file, L2, 16), [0x44; 16]);
     }
 
     #[test]
