@@ -564,6 +564,7 @@ impl Engine {
                         break;
                     };
                     let Some(entry) = core.sqe(token) else {
+                        core.cluster_write_unqueued(token)?;
                         continue;
                     };
                     // SAFETY: every pointer in the entry stays valid until its CQE: iovecs

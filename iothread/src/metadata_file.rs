@@ -18,7 +18,9 @@
 //!
 //! A held refcount-table entry (a new refcount block's) holds the L2 tables written after it
 //! too: imago has written the refcount blocks before any L2 table that needs them, but the
-//! entry naming a new block is what makes the file count the clusters in it.
+//! entry naming a new block is what makes the file count the clusters in it. Once an L2
+//! table is held so, refcount blocks are held behind it (imago frees clusters L2 tables
+//! first), and a write over a held one always waits behind it.
 //!
 //! And the engine's whole-cluster allocating writes map a cluster before its data is written
 //! (`engine/cluster_write.rs`): its L2 entry is kept at its old value in every write of its
@@ -76,6 +78,9 @@ struct Held {
     /// old value: their new value, written with the held writes (after the refcount blocks),
     /// unless imago writes their table again first. (offset, big-endian value)
     landed: Vec<(u64, [u8; 8])>,
+    /// An L2 table write is held behind a refcount-table write (see `pure_writev`): refcount
+    /// block writes are held too from then on, so that they keep their order with it.
+    holds_l2_table: bool,
 }
 
 /// An L2 entry kept out of the file until its cluster's data is there.
@@ -102,8 +107,12 @@ impl Held {
             .any(|range| offset < range.end && range.start < end)
     }
 
-    /// Whether a write to the refcount table (a new refcount block's entry) is held.
+    /// Whether a write to the refcount table (a new refcount block's entry) is held, or a
+    /// new refcount table waits for its header.
     fn holds_refcount_table_write(&self) -> bool {
+        if self.pending.get(2) != self.on_disk.get(2) {
+            return true;
+        }
         // `pointer_ranges` lists the refcount table third.
         let tables = [self.on_disk.get(2), self.pending.get(2)];
         self.writes.iter().any(|(at, data)| {
@@ -113,6 +122,15 @@ impl Held {
                 .flatten()
                 .any(|range| *at < range.end && range.start < end)
         })
+    }
+
+    /// Whether a held write overlaps the `len` bytes at `offset` (a later write there must
+    /// not reach the file before it).
+    fn overlaps_held_write(&self, offset: u64, len: u64) -> bool {
+        let end = offset.saturating_add(len);
+        self.writes
+            .iter()
+            .any(|(at, data)| *at < end && offset < at.saturating_add(data.len() as u64))
     }
 
     /// Whether a read of `len` bytes at `offset` must see something the file does not have
@@ -188,6 +206,7 @@ impl Barrier {
             self.file.write_all_at(data, *offset)?;
         }
         held.writes.clear();
+        held.holds_l2_table = false;
         while let Some((offset, entry)) = held.landed.last().copied() {
             self.file.write_all_at(&entry, offset)?;
             held.landed.pop();
@@ -236,36 +255,65 @@ impl Barrier {
         l2_offset.checked_add(l2_index.checked_mul(8)?)
     }
 
-    /// Whether `offset` is where an L2 table starts, as the L1 table the header names says
+    /// Whether `offset` is in an L2 table, as the L1 table the header names says
     /// (with the held writes laid over both). Read from the file: only asked while a refcount
     /// table write is held.
     fn names_l2_table(&self, held: &Held, offset: u64) -> bool {
+        // L1: its entry count at 36, its offset at 40.
+        self.table_names(held, offset, (36, 40), false)
+    }
+
+    /// Whether `offset` is in a refcount block, as the refcount table says (as
+    /// [`Barrier::names_l2_table`]).
+    fn names_refcount_block(&self, held: &Held, offset: u64) -> bool {
+        // The refcount table: its cluster count at 56, its offset at 48.
+        self.table_names(held, offset, (56, 48), true)
+    }
+
+    /// Whether the table whose size and offset are the header fields at `fields` names the
+    /// cluster `offset` is in (a size in clusters if `in_clusters`, else in entries).
+    fn table_names(
+        &self,
+        held: &Held,
+        offset: u64,
+        fields: (usize, usize),
+        in_clusters: bool,
+    ) -> bool {
         let Some(header) = read_header(&self.file) else {
             return false;
         };
         let header = held.pending_header(header);
-        let (Some(l1_size), Some(l1_offset)) = (be::<4>(&header, 36), be::<8>(&header, 40)) else {
+        let (Some(size), Some(table_offset), Some(cluster_bits)) = (
+            be::<4>(&header, fields.0),
+            be::<8>(&header, fields.1),
+            be::<4>(&header, 20).filter(|b| (9..=21).contains(b)),
+        ) else {
             return false;
         };
-        // imago refuses L1 tables beyond 32 MiB; a header naming more is not read here.
-        let Some(len) = l1_size
-            .checked_mul(8)
+        let bytes = if in_clusters {
+            size.checked_shl(u32::try_from(cluster_bits).unwrap_or(0))
+        } else {
+            size.checked_mul(8)
+        };
+        // imago refuses tables beyond 32 MiB; a header naming more is not read here.
+        let Some(len) = bytes
             .filter(|&n| n <= 32 << 20)
             .and_then(|n| usize::try_from(n).ok())
         else {
             return false;
         };
         let mut table = vec![0u8; len];
-        if self.file.read_exact_at(&mut table, l1_offset).is_err() {
+        if self.file.read_exact_at(&mut table, table_offset).is_err() {
             return false;
         }
         for (at, data) in &held.writes {
-            overlay(&mut table, l1_offset, *at, data);
+            overlay(&mut table, table_offset, *at, data);
         }
+        let cluster = 1u64 << cluster_bits;
         table.chunks_exact(8).any(|entry| {
             let entry: [u8; 8] = entry.try_into().unwrap_or([0; 8]);
-            let l2_offset = u64::from_be_bytes(entry) & L1_OFFSET_MASK;
-            l2_offset != 0 && l2_offset == offset
+            let named = u64::from_be_bytes(entry) & L1_OFFSET_MASK;
+            named != 0 && (named..named.saturating_add(cluster)).contains(&offset)
         })
     }
 
@@ -395,6 +443,7 @@ impl MetadataFile {
                 on_disk,
                 unlanded: Vec::new(),
                 landed: Vec::new(),
+                holds_l2_table: false,
             }),
         });
         let inner = ImagoFile::from_open_file(file, StorageOpenOptions::new().write(writable))?;
@@ -486,9 +535,19 @@ impl Storage for MetadataFile {
         // before any L2 table that needs them), but the table that names the new block is
         // still held, and an L2 entry in the file must not point at a cluster counted only
         // by a block the file does not name yet (a crash would leave that cluster free).
-        let behind_refcounts =
-            held.holds_refcount_table_write() && self.barrier.names_l2_table(&held, offset);
-        let hold = behind_refcounts || held.holds(offset, bufv.len());
+        // Once one waits, refcount blocks wait behind it too: when imago frees clusters it
+        // writes the L2 tables first and the lowered refcounts after, and that order must
+        // hold. And a write over a held one waits behind it, whatever it is.
+        let mut hold =
+            held.holds(offset, bufv.len()) || held.overlaps_held_write(offset, bufv.len());
+        if !hold && held.holds_refcount_table_write() {
+            if self.barrier.names_l2_table(&held, offset) {
+                held.holds_l2_table = true;
+                hold = true;
+            } else if held.holds_l2_table {
+                hold = self.barrier.names_refcount_block(&held, offset);
+            }
+        }
         if !masks && !hold {
             drop(held);
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
@@ -793,9 +852,20 @@ mod tests {
             [0x22; 16],
             "imago reads what it wrote"
         );
+        // Clusters freed now: L2 tables first, then the lowered refcounts — a refcount block
+        // (the refcount table names both) now waits behind the held table, in order; a second
+        // write of a held table waits too.
+        write(&storage, 0x2_0002, &[0, 2]);
+        write(&storage, NEW_BLOCK, &[0, 0]);
+        write(&storage, L2 + 8, &[0x55; 8]);
+        assert_eq!(on_disk(&file, 0x2_0002, 2), [0, 0]);
+        assert_eq!(on_disk(&file, NEW_BLOCK, 2), [0, 1]);
+        assert_eq!(on_disk(&file, L2 + 8, 8), [0x11; 8]);
         barrier.apply().unwrap();
         assert_eq!(on_disk(&file, REFTABLE + 8, 8), NEW_BLOCK.to_be_bytes());
-        assert_eq!(on_disk(&file, L2, 16), [0x22; 16]);
+        assert_eq!(on_disk(&file, L2, 16), [[0x22; 8], [0x55; 8]].concat());
+        assert_eq!(on_disk(&file, 0x2_0002, 2), [0, 2]);
+        assert_eq!(on_disk(&file, NEW_BLOCK, 2), [0, 0]);
         // Nothing held: straight on again.
         write(&storage, L2, &[0x44; 16]);
         assert_eq!(on_disk(&file, L2, 16), [0x44; 16]);

@@ -473,6 +473,16 @@ impl Core {
         Some(entry.user_data(token.encode()))
     }
 
+    /// A fill read or cluster write whose SQE could not be built: failed as if the kernel had
+    /// failed it, so that the slot does not hold its buffer and cluster for good.
+    pub(super) fn cluster_write_unqueued(&mut self, token: Token) -> Result<(), EngineError> {
+        match token {
+            Token::FillCluster { slot } => self.cluster_filled(slot, -libc::EIO),
+            Token::WriteCluster { slot } => self.cluster_written(slot, -libc::EIO),
+            _ => Ok(()),
+        }
+    }
+
     /// A fill read of the slot completed with `result`.
     pub(super) fn cluster_filled(&mut self, slot: u32, result: i32) -> Result<(), EngineError> {
         let Some(ClusterWrite::Filling {
@@ -639,14 +649,18 @@ impl Core {
         // SAFETY: fallocate on the image's own fd; integer arguments only. Mode 0 allocates
         // the range and extends the file's size over it; nothing existing changes.
         let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(file), 0, offset, len) };
+        let error = std::io::Error::last_os_error();
         if rc == 0 {
             writes.file_end = target;
-        } else {
+        } else if matches!(
+            error.raw_os_error(),
+            Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
+        ) {
+            // The file system cannot (a transient failure, ENOSPC say, is tried again).
             writes.preallocation_failed = true;
             warn!(
-                "extending the image file ahead of its allocations failed ({}); cluster \
-                 writes extend it one at a time",
-                std::io::Error::last_os_error()
+                "the image file cannot be extended ahead of its allocations ({error}); cluster \
+                 writes extend it one at a time"
             );
         }
     }
