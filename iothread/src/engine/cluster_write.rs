@@ -7,24 +7,28 @@
 //! buffered writes took). A thin clone of a golden image at QD32 ran at a sixth of
 //! qemu-storage-daemon's rate, its iothread asleep most of the time.
 //!
-//! How, for a write into a cluster the image leaves unallocated (the first write into a thin
-//! clone's cluster; others take [`super::chain`]'s in-place allocation):
-//! 1. *Fill*: the cluster's old data — what the backing chain has there, or zeros — is read
-//!    into one of a few cluster-sized buffers, through io_uring (zeros and compressed data
-//!    without it); the part the guest overwrites is not read.
+//! How, for a write that leaves part of a cluster the image leaves unallocated to the backing
+//! chain (the first write into a thin clone's cluster; a write with nothing to copy — a whole
+//! cluster, a fresh image's zeros — is cheaper in place, through the page cache, and takes
+//! [`super::chain`]'s in-place allocation like every other):
+//! 1. *Fill*: the cluster's old data — what the backing chain has there — is read into one of
+//!    a few cluster-sized buffers, through io_uring (zeros and compressed data without it);
+//!    the part the guest overwrites is not read.
 //! 2. The guest's data is copied in, and imago maps the cluster in its caches at once
-//!    ([`Qcow2Image::allocate_cluster_ahead`]: it copies nothing, the write covers the
+//!    ([`Qcow2Image::allocate_cluster_ahead`](crate::qcow2::Qcow2Image::allocate_cluster_ahead): it copies nothing, the write covers the
 //!    cluster), while the L2 entry in the file keeps its old value.
 //! 3. *Write*: the whole cluster goes to the image's O_DIRECT fd through io_uring.
-//! 4. Its completion lets the entry reach the file ([`Qcow2Image::cluster_written`]) with the
+//! 4. Its completion lets the entry reach the file ([`Qcow2Image::cluster_written`](crate::qcow2::Qcow2Image::cluster_written)) with the
 //!    next write-back, which runs before the request is acknowledged (as for every
 //!    allocation: [`Core::write_back_allocations`]). A failed write unmaps the cluster again.
 //!
 //! From the fill's start to the write's completion every other request that touches the
 //! cluster (a read would find the new mapping before its data, a write could be overwritten
 //! by the whole cluster) waits in [`ClusterWrites::waiting`]; so do allocations when all
-//! buffers are in use. A killed iothread leaves the old entry in the file (the cluster is
-//! leaked at worst) and the frontend resubmits the request.
+//! buffers are in use; a mapping stops short of the first cluster in flight. A killed
+//! iothread leaves the old entry in the file (the cluster is leaked at worst) and the frontend
+//! resubmits the request. The image file is extended ahead of the cluster writes
+//! ([`PREALLOCATE`]), so that they overlap at the device.
 
 use std::collections::VecDeque;
 use std::ops::Range;
