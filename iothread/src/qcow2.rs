@@ -679,6 +679,19 @@ impl Qcow2Image {
     /// has the L2 entry 0, the one the file keeps until the data lands (and the one undoing
     /// goes back to). A lookup: an L2 cache hit makes no system call.
     pub fn leaves_unallocated(&self, offset: u64) -> bool {
+        self.unallocated_cluster(offset).is_some()
+    }
+
+    /// Whether the cluster holding guest offset `offset` is one
+    /// [`Qcow2Image::leaves_unallocated`] accepts and reads from the backing chain (the image
+    /// has a backing file): what an allocation must copy from it.
+    pub fn backing_shows_through(&self, offset: u64) -> bool {
+        self.unallocated_cluster(offset) == Some(true)
+    }
+
+    /// For a cluster [`Qcow2Image::leaves_unallocated`] accepts, whether it reads from the
+    /// backing chain (else as zeros); `None` for any other. One lookup.
+    fn unallocated_cluster(&self, offset: u64) -> Option<bool> {
         let cluster = self.cluster_size();
         let start = offset & !cluster.saturating_sub(1);
         // With an external data file, imago puts the data there, not in the image file.
@@ -689,30 +702,18 @@ impl Qcow2Image {
                 .checked_add(cluster)
                 .is_none_or(|end| end > self.size())
         {
-            return false;
+            return None;
         }
-        matches!(
-            self.top.get_shallow_mapping(start, cluster),
+        match self.top.get_shallow_mapping(start, cluster) {
+            Ok((ShallowMapping::Indirect { .. }, _)) => Some(true),
             Ok((
-                ShallowMapping::Indirect { .. }
-                    | ShallowMapping::Zero {
-                        explicit: false,
-                        ..
-                    },
-                _
-            ))
-        )
-    }
-
-    /// Whether the cluster holding guest offset `offset` reads from the backing chain (the
-    /// image leaves it unallocated, and has a backing file).
-    pub fn backing_shows_through(&self, offset: u64) -> bool {
-        let cluster = self.cluster_size();
-        matches!(
-            self.top
-                .get_shallow_mapping(offset & !cluster.saturating_sub(1), cluster),
-            Ok((ShallowMapping::Indirect { .. }, _))
-        )
+                ShallowMapping::Zero {
+                    explicit: false, ..
+                },
+                _,
+            )) => Some(false),
+            _ => None,
+        }
     }
 
     /// The data of a [`Qcow2Image::allocate_cluster_ahead`] cluster is in the file: its

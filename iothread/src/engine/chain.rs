@@ -103,16 +103,8 @@ impl Core {
             return Ok(Next::Step(step));
         }
         let bad_slot = EngineError::BadSlot { slot, count };
-        let Core {
-            states,
-            image,
-            prefetch,
-            ..
-        } = self;
+        let Core { states, image, .. } = self;
         let state = states.get_mut(slot as usize).ok_or(bad_slot)?;
-        let prefetch = prefetch
-            .get_mut(slot as usize)
-            .ok_or(EngineError::BadSlot { slot, count })?;
         let inline = image.transfers_inline();
         let Some(chain) = image.qcow2_chain_mut() else {
             return Ok(Next::Step(state.fail(libc::EBADF)));
@@ -179,7 +171,8 @@ impl Core {
             (extent, _) => {
                 let len = extent.len();
                 // `Read`: sent back to the in-place allocation (see `map_in_place`).
-                if *prefetch == Prefetch::None && self.begin_cluster_write(slot, offset)? {
+                let fresh = self.prefetch.get(slot as usize) == Some(&Prefetch::None);
+                if fresh && self.begin_cluster_write(slot, offset)? {
                     return Ok(Next::Queued);
                 }
                 return self.allocate_in_place(slot, offset, len);
@@ -220,58 +213,53 @@ impl Core {
         let Some(chain) = image.qcow2_chain_mut() else {
             return Ok(Next::Step(state.fail(libc::EBADF)));
         };
-        let step = {
-            {
-                // The copy-on-write inside imago's allocation reads the old data on this
-                // thread: on an image whose reads may wait for a device, that data is read
-                // into the page cache through io_uring first, so the loop waits for no device.
-                let source = (!inline && *prefetch == Prefetch::None)
-                    .then(|| chain.copy_on_write_source(offset, len))
-                    .flatten()
-                    .filter(|&(layer, _, _)| chain.layer_fd(layer).is_some());
-                if let Some((layer, host_offset, len)) = source {
-                    if prefetch_sink.is_empty() {
-                        // One cluster (no read ahead is longer), allocated once: reads in
-                        // flight land in it, so it never moves afterwards.
-                        *prefetch_sink = vec![0; blkplane_proto::usize_from(chain.cluster_size())];
-                    }
-                    *prefetch = Prefetch::Reading {
-                        layer,
-                        host_offset,
-                        len: u32::try_from(len.min(prefetch_sink.len() as u64)).unwrap_or(0),
-                    };
-                    self.pending.push_back(Token::Prefetch { slot });
-                    return Ok(Next::Queued);
+        // The copy-on-write inside imago's allocation reads the old data on this
+        // thread: on an image whose reads may wait for a device, that data is read
+        // into the page cache through io_uring first, so the loop waits for no device.
+        let source = (!inline && *prefetch == Prefetch::None)
+            .then(|| chain.copy_on_write_source(offset, len))
+            .flatten()
+            .filter(|&(layer, _, _)| chain.layer_fd(layer).is_some());
+        if let Some((layer, host_offset, len)) = source {
+            if prefetch_sink.is_empty() {
+                // One cluster (no read ahead is longer), allocated once: reads in
+                // flight land in it, so it never moves afterwards.
+                *prefetch_sink = vec![0; blkplane_proto::usize_from(chain.cluster_size())];
+            }
+            *prefetch = Prefetch::Reading {
+                layer,
+                host_offset,
+                len: u32::try_from(len.min(prefetch_sink.len() as u64)).unwrap_or(0),
+            };
+            self.pending.push_back(Token::Prefetch { slot });
+            return Ok(Next::Queued);
+        }
+        *prefetch = Prefetch::None;
+        // Committed in imago's caches only: the loop writes the metadata back once for
+        // every allocation of its pass, before any of them is acknowledged
+        // ([`Core::write_back_allocations`]).
+        let result = chain.allocating_write_in_memory(offset, len, |fd, host_offset, len| {
+            state.set_target(TransferTarget {
+                layer: 0,
+                host_offset,
+                limit: len,
+            });
+            let transfer = state.next_transfer(None);
+            write_all(fd, iovecs_of(&transfer), host_offset)
+        });
+        let step = match result {
+            Ok(written) => {
+                if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
+                    *flag = true;
                 }
-                *prefetch = Prefetch::None;
-                // Committed in imago's caches only: the loop writes the metadata back once for
-                // every allocation of its pass, before any of them is acknowledged
-                // ([`Core::write_back_allocations`]).
-                let result =
-                    chain.allocating_write_in_memory(offset, len, |fd, host_offset, len| {
-                        state.set_target(TransferTarget {
-                            layer: 0,
-                            host_offset,
-                            limit: len,
-                        });
-                        let transfer = state.next_transfer(None);
-                        write_all(fd, iovecs_of(&transfer), host_offset)
-                    });
-                match result {
-                    Ok(written) => {
-                        if let Some(flag) = self.write_back_pending.get_mut(slot as usize) {
-                            *flag = true;
-                        }
-                        self.metadata_dirty = true;
-                        state.on_transfer(result_of(written))
-                    }
-                    Err(e) => {
-                        if self.complaints.should_log() {
-                            warn!("slot {slot}: allocating write at {offset}: {e}");
-                        }
-                        state.fail(errno_of(&e))
-                    }
+                self.metadata_dirty = true;
+                state.on_transfer(result_of(written))
+            }
+            Err(e) => {
+                if self.complaints.should_log() {
+                    warn!("slot {slot}: allocating write at {offset}: {e}");
                 }
+                state.fail(errno_of(&e))
             }
         };
         Ok(Next::Step(step))

@@ -273,7 +273,6 @@ impl Core {
             || self.image.transfers_inline()
             || self.image.direct().is_none()
             || cluster_size.checked_rem(block) != Some(0)
-            || !chain.leaves_unallocated(offset)
             || !chain.backing_shows_through(offset)
         {
             return Ok(false);
