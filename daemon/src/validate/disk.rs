@@ -588,7 +588,7 @@ pub fn check_add(
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use std::os::unix::net::UnixListener;
+    use std::os::unix::net::{UnixDatagram, UnixListener};
 
     pub(in crate::validate) use blkplane_tests::TempDir as Tmp;
 
@@ -848,9 +848,11 @@ pub(super) mod tests {
                 ..
             })
         ));
-        // A stale socket is fine (the frontend replaces it).
+        // A stale socket is fine (the frontend replaces it). Made by a socket that never
+        // listens: a closed listener can stay listening for a moment in a child another test
+        // forks meanwhile (the fd lives until the child's exec).
         let stale = tmp.path().join("stale.sock");
-        drop(UnixListener::bind(&stale).unwrap());
+        drop(UnixDatagram::bind(&stale).unwrap());
         assert_eq!(
             with_socket(stale.to_str().unwrap()).unwrap().0.vhost_socket,
             stale
