@@ -84,6 +84,7 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::MigrationAutoConverge => "migration_auto_converge",
         EventKind::MigrationCopied => "migration_copied",
         EventKind::MigrationFailed => "migration_failed",
+        EventKind::Commit => "commit",
     }
 }
 

@@ -32,6 +32,8 @@ pub use blkplane_proto::control::MAX_BACKING_FILES;
 
 pub mod integrity;
 pub use integrity::header_is_refcounted;
+pub mod merge;
+pub use merge::{merge_into_backing, MergeError, Merged, Readers};
 
 /// The first four bytes of a qcow2 image.
 const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";

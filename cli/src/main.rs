@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 use blkplane_api::endpoint::HostPort;
 use blkplane_api::pb::control_client::ControlClient;
 use blkplane_api::pb::{
-    AddDiskRequest, AddMigrationBlockerRequest, CacheMode, DiskSettings, DrainDiskRequest,
-    GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest, ImageFormat,
-    IncomingFrom, ListDisksRequest, MigrationCopyPhase, MigrationSourceRequest, MigrationStatus,
-    MigrationStorage, RemoveDiskRequest, RemoveMigrationBlockerRequest, ResizeDiskRequest,
-    ResumeDiskRequest, SnapshotRequest, StartMigrationRequest, ThrottleConfig, WatchEventsRequest,
+    AddDiskRequest, AddMigrationBlockerRequest, CacheMode, CommitRequest, DiskSettings,
+    DrainDiskRequest, GetDiskRequest, GetStatsRequest, GetThrottleRequest, GetVersionRequest,
+    ImageFormat, IncomingFrom, ListDisksRequest, MigrationCopyPhase, MigrationSourceRequest,
+    MigrationStatus, MigrationStorage, RemoveDiskRequest, RemoveMigrationBlockerRequest,
+    ResizeDiskRequest, ResumeDiskRequest, SnapshotRequest, StartMigrationRequest, ThrottleConfig,
+    WatchEventsRequest,
 };
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use connect::{ConnectArgs, ConnectError, Target};
@@ -137,6 +138,15 @@ enum DiskCmd {
         id: String,
         /// Absolute path of the qcow2 overlay to create (must not exist).
         overlay: String,
+    },
+    /// Commit the disk's image into its backing file while the disk runs, then serve the
+    /// backing file (QEMU's active block-commit with pivot): the image is frozen under a
+    /// temporary overlay beside it, copied into the backing file while the guest writes, and
+    /// the guest's writes meanwhile copied during a second short drain. The committed image is
+    /// left in place, unused. Returns when the disk serves the backing file.
+    Commit {
+        /// The disk.
+        id: String,
     },
     /// Quiesce a disk for a snapshot or backup: the guest's requests wait (none fails), the
     /// requests in flight complete; prints how many it waited for. Lasts until `disk resume`,
@@ -808,6 +818,13 @@ async fn run(args: Args, target: &Target, timeout: Duration) -> Result<(), Failu
                 .snapshot(SnapshotRequest { id, overlay })
                 .await?
                 .into_inner();
+            match format {
+                Format::Json => print_json(&output::disk_json(&disk)),
+                Format::Table => print!("{}", output::disk_detail(&disk)),
+            }
+        }
+        Cmd::Disk(DiskCmd::Commit { id }) => {
+            let disk = client.commit(CommitRequest { id }).await?.into_inner();
             match format {
                 Format::Json => print_json(&output::disk_json(&disk)),
                 Format::Table => print!("{}", output::disk_detail(&disk)),

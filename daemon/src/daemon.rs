@@ -37,6 +37,7 @@ use crate::validate::{self, ValidationError};
 use blkplane_api::names::state_name;
 
 mod blockers;
+mod commit;
 mod copy;
 mod limits;
 mod outgoing;
@@ -172,6 +173,25 @@ pub enum DaemonError {
         /// What failed.
         source: frontend::StartError,
     },
+    /// A Commit, Snapshot, ResizeDisk, RemoveDisk or migration of a disk whose commit runs.
+    #[error("disk {0}: a commit of its image runs; try again once it has finished")]
+    Committing(String),
+    /// Commit of a disk that cannot be committed.
+    #[error("id: disk {id} cannot be committed: {reason}")]
+    CannotCommit {
+        /// The disk.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+    /// A commit failed once under way; the reason says which image the disk serves now.
+    #[error("disk {id}: the commit failed: {reason}")]
+    CommitFailed {
+        /// The disk.
+        id: String,
+        /// What failed, and where the disk is.
+        reason: String,
+    },
     /// The state could not be read or written.
     #[error(transparent)]
     State(#[from] StateError),
@@ -214,6 +234,8 @@ pub struct Daemon {
     copies: Mutex<BTreeMap<String, copy::CopyJob>>,
     /// Incoming disks receiving a copy now (ReceiveMigrationData).
     receiving: Mutex<std::collections::BTreeSet<String>>,
+    /// Disks whose commit runs (Commit).
+    commits: commit::Commits,
     _locks: [DirLock; 2],
 }
 
@@ -318,6 +340,26 @@ impl Daemon {
                 });
             }
         }
+        // A running commit writes its image's backing file and then drops its image from the
+        // chain: neither may join another disk meanwhile.
+        let files = std::iter::once(spec.image.clone()).chain(
+            backing_chain(spec, &self.ctx.image_dirs)
+                .into_iter()
+                .map(PathBuf::from),
+        );
+        for file in files {
+            let committing = validate::image_identity(&file).and_then(|i| self.commits.holding(i));
+            if let Some(other) = committing {
+                return Err(ValidationError::FailedPrecondition {
+                    field: "settings.image",
+                    reason: format!(
+                        "{} is written by the commit of disk {other} now; add the disk once \
+                         that has finished",
+                        file.display()
+                    ),
+                });
+            }
+        }
         let own = DiskPaths::new(&self.settings.disks_dir, spec);
         for reserved in own.own_files() {
             if spec.vhost_socket == reserved {
@@ -390,6 +432,15 @@ impl Daemon {
                     .collect();
             (d.config(), blockers)
         });
+        if self.commits.running(&req.incoming_for) {
+            return Err(ValidationError::FailedPrecondition {
+                field: "incoming_for",
+                reason: format!(
+                    "a commit of disk {}'s image runs; migrate it once that has finished",
+                    req.incoming_for
+                ),
+            });
+        }
         // A source migrating to another node has its destination already.
         if let Some(outgoing) = lock(&self.disks)
             .get(&req.incoming_for)
@@ -625,6 +676,7 @@ impl Daemon {
     pub async fn remove_disk(&self, id: &str, force: bool) -> Result<(), DaemonError> {
         let _ops = self.ops.lock().await;
         let disk = self.get_handle(id)?;
+        self.refuse_while_committing(id)?;
         if !force {
             let rt = disk.runtime();
             let connected = if rt.pid != 0 {
@@ -762,6 +814,9 @@ impl Daemon {
     /// ResizeDisk: grow only, in whole blocks; the frontend grows the image and tells the guest.
     pub async fn resize_disk(&self, id: &str, new_size: u64) -> Result<ResizeDone, DaemonError> {
         let disk = self.get_handle(id)?;
+        // The disk's lifecycle, as Snapshot and Commit take it: neither reads the capacity
+        // while a grow is under way.
+        let _op = disk.lifecycle_op.lock().await;
         validate::check_new_size(new_size, disk.spec.block_size)?;
         self.running(&disk)?;
         if disk.runtime().lifecycle.drained {
@@ -775,6 +830,7 @@ impl Daemon {
             });
         }
         self.refuse_while_outgoing(id, &disk)?;
+        self.refuse_while_committing(id)?;
         let admin_err = |source| DaemonError::Admin {
             id: id.to_string(),
             source,

@@ -11,7 +11,7 @@ use crate::daemon::{Daemon, DaemonError};
 use crate::events::EventStream;
 use crate::pb::control_server::Control;
 use crate::pb::{
-    AddDiskRequest, AddMigrationBlockerRequest, CancelMigrationSourceResponse, Disk,
+    AddDiskRequest, AddMigrationBlockerRequest, CancelMigrationSourceResponse, CommitRequest, Disk,
     DrainDiskRequest, DrainDiskResponse, GetDiskRequest, GetStatsRequest, GetStatsResponse,
     GetThrottleRequest, GetVersionRequest, ListDisksRequest, ListDisksResponse,
     MigrationSourceRequest, MigrationStatus, RemoveDiskRequest, RemoveDiskResponse,
@@ -55,12 +55,15 @@ pub fn to_status(e: DaemonError) -> Status {
         | DaemonError::MigratingAcross { .. }
         | DaemonError::NotRunning { .. }
         | DaemonError::Shrink { .. }
+        | DaemonError::Committing(_)
+        | DaemonError::CannotCommit { .. }
         | DaemonError::Refused { .. } => Status::failed_precondition(msg),
         DaemonError::Admin { .. } => Status::unavailable(msg),
         // The message carries the frontend's own words (the end of its log).
-        DaemonError::Start { .. } | DaemonError::State(_) | DaemonError::Io { .. } => {
-            Status::internal(msg)
-        }
+        DaemonError::Start { .. }
+        | DaemonError::State(_)
+        | DaemonError::Io { .. }
+        | DaemonError::CommitFailed { .. } => Status::internal(msg),
     }
 }
 
@@ -200,6 +203,17 @@ impl Control for ControlService {
             .snapshot(&req.id, &req.overlay)
             .await
             .map_err(|e| logged("Snapshot", e))?;
+        Ok(Response::new(disk))
+    }
+
+    async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<Disk>, Status> {
+        let req = request.into_inner();
+        info!("Commit {:?}", req.id);
+        let disk = self
+            .daemon
+            .commit(&req.id)
+            .await
+            .map_err(|e| logged("Commit", e))?;
         Ok(Response::new(disk))
     }
 

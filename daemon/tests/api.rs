@@ -1844,3 +1844,266 @@ async fn live_external_snapshot_switches_the_disk_to_an_overlay() {
     );
     println!("snapshot: base.raw <- snap1.qcow2 <- snap2.qcow2, data and chain as expected");
 }
+
+use blkplane_daemon::pb::CommitRequest;
+
+/// `chattr +i` on a file until dropped: not even root opens it for writing meanwhile.
+struct Immutable(PathBuf);
+
+impl Immutable {
+    fn set(path: &Path) -> Immutable {
+        let out = Command::new("chattr")
+            .arg("+i")
+            .arg(path)
+            .output()
+            .expect("running chattr");
+        assert!(
+            out.status.success(),
+            "chattr +i {}: {out:?}",
+            path.display()
+        );
+        Immutable(path.to_owned())
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = Command::new("chattr").arg("-i").arg(&self.0).output();
+    }
+}
+
+/// Commit (`blkplanectl disk commit`): a qcow2 overlay (4 KiB clusters) over a smaller qcow2
+/// image (64 KiB clusters, some compressed) over a raw base. What the guest wrote into the
+/// overlay (data, part of compressed clusters, a write past the middle image's size, zeroes
+/// over the middle's data) ends up in the middle image, which grows to the disk's
+/// size; the disk serves the middle image (same capacity, its chain one shorter, persisted
+/// across a blkplaned restart), a new connection reads the guest's data through it and writes
+/// into it, not into the committed image; `qemu-img check` finds it clean and `qemu-img compare` finds it identical to the
+/// overlay's guest view before the commit; the temporary overlay is gone, the committed one
+/// left. Refusals leave the disk as it was: a raw disk, a read-only disk, a backing file
+/// another disk's chain holds, a taken temporary-overlay path. A commit that fails once under
+/// way (the backing file immutable, so it cannot be opened for writing) merges the temporary
+/// overlay back and serves the image again, the guest's data intact. The guest writing during a commit (QEMU reconnecting through both
+/// restarts) is the soak test's `commit` fault.
+#[tokio::test]
+async fn commit_merges_the_image_into_its_backing_file() {
+    let dir = TempDir::new("commit");
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let mut node = Node::start_in(dir, vec!["--image-dir".into(), path_str(&images)]).await;
+    let base = blkplane_tests::create_random_image(&images.join("base.raw"), 8 * MIB, 31);
+    let mid = blkplane_tests::qemu_img::create_overlay(
+        &images.join("mid.qcow2"),
+        "base.raw",
+        "raw",
+        "cluster_size=65536",
+    );
+    qemu_img(&["resize", "-q", &path_str(&mid), "16M"]);
+    // Compressed clusters, which the guest's writes below cover in part: the live merge
+    // leaves those parts to the drained one.
+    let mut io = Command::new("qemu-io");
+    io.args(["-f", "qcow2"]);
+    for i in 0..16u64 {
+        io.args([
+            "-c",
+            &format!("write -c -P 0x5a {} 64k", 2 * MIB + i * 65536),
+        ]);
+    }
+    let out = io.arg(&mid).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let top = blkplane_tests::qemu_img::create_overlay(
+        &images.join("top.qcow2"),
+        "mid.qcow2",
+        "qcow2",
+        "cluster_size=4096",
+    );
+    qemu_img(&["resize", "-q", &path_str(&top), "32M"]);
+    let added = node
+        .add(AddDiskRequest::with_image("c", path_str(&top)))
+        .await
+        .expect("AddDisk");
+    let socket = PathBuf::from(added.config.unwrap().settings_or_default().vhost_socket);
+    assert_eq!(added.capacity_bytes, 32 * MIB);
+    {
+        let mut vmm = blkplane_tests::Client::connect(&socket).expect("libblkio connect");
+        for (i, offset) in [MIB, 2 * MIB + 4096, 7 * MIB + 512 * 1024, 20 * MIB]
+            .into_iter()
+            .enumerate()
+        {
+            vmm.queue(0)
+                .write_at(offset, &blkplane_tests::pattern(40 + i as u64, 12288))
+                .expect("write");
+        }
+        vmm.queue(0)
+            .write_at(2 * MIB + 256 * 1024, &vec![0; 65536])
+            .expect("zeroes over the middle image's data");
+        vmm.queue(0).flush().expect("flush");
+    }
+    let view = images.join("view.raw");
+    qemu_img(&[
+        "convert",
+        "-U",
+        "-O",
+        "raw",
+        &path_str(&top),
+        &path_str(&view),
+    ]);
+
+    // Refused, each leaving the disk as it was.
+    let raw = blkplane_tests::create_image(&images.join("raw.img"), MIB);
+    node.add(AddDiskRequest::with_image("raw", path_str(&raw)))
+        .await
+        .expect("AddDisk raw");
+    let sharer = blkplane_tests::qemu_img::create_overlay(
+        &images.join("sharer.qcow2"),
+        "mid.qcow2",
+        "qcow2",
+        "",
+    );
+    let mut read_only = AddDiskRequest::with_image("ro", path_str(&sharer));
+    read_only.settings_mut().read_only = true;
+    node.add(read_only).await.expect("AddDisk read-only");
+    let temporary = images.join("top.qcow2.commit.qcow2");
+    std::fs::write(&temporary, b"someone's file").unwrap();
+    for (id, want) in [
+        ("raw", "the image is raw"),
+        ("ro", "the disk is read-only"),
+        ("c", "is in the chain of disk ro"),
+    ] {
+        let e = node
+            .client
+            .commit(CommitRequest { id: id.into() })
+            .await
+            .expect_err("a commit that must be refused");
+        assert_eq!(e.code(), Code::FailedPrecondition, "{id}: {}", e.message());
+        assert!(e.message().starts_with("id: "), "{}", e.message());
+        assert!(e.message().contains(want), "{id}: {}", e.message());
+    }
+    let e = node
+        .client
+        .commit(CommitRequest { id: "nope".into() })
+        .await
+        .expect_err("no such disk");
+    assert_eq!(e.code(), Code::NotFound, "{}", e.message());
+    node.client
+        .remove_disk(RemoveDiskRequest {
+            id: "ro".into(),
+            force: true,
+        })
+        .await
+        .expect("RemoveDisk ro");
+    let e = node
+        .client
+        .commit(CommitRequest { id: "c".into() })
+        .await
+        .expect_err("the temporary overlay's path is taken");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    assert!(e.message().contains("exists"), "{}", e.message());
+    std::fs::remove_file(&temporary).unwrap();
+    let d = node.get("c").await;
+    assert_eq!(
+        d.config.unwrap().settings_or_default().image,
+        path_str(&top)
+    );
+    assert!(
+        d.frontend_pid != 0 && !d.drained,
+        "pid {} drained {}",
+        d.frontend_pid,
+        d.drained
+    );
+
+    // A merge that fails: merged back, the image served again.
+    let mid_before = std::fs::read(&mid).unwrap();
+    {
+        let _immutable = Immutable::set(&mid);
+        let e = node
+            .client
+            .commit(CommitRequest { id: "c".into() })
+            .await
+            .expect_err("the backing file cannot be written");
+        assert_eq!(e.code(), Code::Internal, "{}", e.message());
+        assert!(
+            e.message()
+                .contains(&format!("the disk serves {} again", path_str(&top))),
+            "{}",
+            e.message()
+        );
+    }
+    assert_eq!(std::fs::read(&mid).unwrap(), mid_before);
+    assert!(!temporary.exists(), "the temporary overlay was left behind");
+    let d = node.get("c").await;
+    assert_eq!(
+        d.config.unwrap().settings_or_default().image,
+        path_str(&top)
+    );
+    assert_eq!(d.backing_chain, vec![path_str(&mid), path_str(&base)]);
+    assert!(
+        d.frontend_pid != 0 && !d.drained,
+        "pid {} drained {}",
+        d.frontend_pid,
+        d.drained
+    );
+    blkplane_tests::qemu_img::assert_check_clean(&top, false);
+    let out = Command::new("qemu-img")
+        .args(["compare", "-U", "-F", "raw"])
+        .arg(&top)
+        .arg(&view)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "after the failed commit: {out:?}");
+
+    // The commit, through blkplanectl.
+    let out = ctl(&node, &["-o", "json", "disk", "commit", "c"]);
+    assert!(out.status.success(), "{out:?}");
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shown["config"]["image"], path_str(&mid), "{shown}");
+    assert_eq!(shown["config"]["format"], "qcow2", "{shown}");
+    assert_eq!(shown["backing_chain"][0], path_str(&base), "{shown}");
+    assert_eq!(
+        shown["backing_chain"].as_array().map(Vec::len),
+        Some(1),
+        "{shown}"
+    );
+    assert_eq!(shown["capacity_bytes"], 32 * MIB, "{shown}");
+    assert_eq!(shown["drained"], false, "{shown}");
+    assert!(!temporary.exists(), "the temporary overlay was left behind");
+    let top_after_commit = std::fs::read(&top).expect("the committed image is left");
+    blkplane_tests::qemu_img::assert_check_clean(&mid, false);
+    let out = Command::new("qemu-img")
+        .args(["compare", "-U", "-F", "raw"])
+        .arg(&mid)
+        .arg(&view)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "the committed image: {out:?}");
+    {
+        let mut vmm = blkplane_tests::Client::connect(&socket).expect("connect after commit");
+        assert_eq!(vmm.capacity(), 32 * MIB);
+        let got = vmm.queue(0).read_at(20 * MIB, 12288).expect("read");
+        blkplane_tests::assert_same_data(
+            "data written past the middle image's old size",
+            &got,
+            &blkplane_tests::pattern(43, 12288),
+        );
+        let after = blkplane_tests::pattern(50, 4096);
+        vmm.queue(0).write_at(5 * MIB, &after).expect("write after");
+        vmm.queue(0).flush().expect("flush");
+        let got = vmm.queue(0).read_at(5 * MIB, 4096).expect("read back");
+        blkplane_tests::assert_same_data("data written after the commit", &got, &after);
+    }
+    assert_eq!(
+        std::fs::read(&top).unwrap(),
+        top_after_commit,
+        "the committed image was written after the commit"
+    );
+
+    // Persisted.
+    node.restart().await;
+    let d = node.get("c").await;
+    assert_eq!(
+        d.config.unwrap().settings_or_default().image,
+        path_str(&mid)
+    );
+    assert_eq!(d.backing_chain, vec![path_str(&base)]);
+    println!("commit: top.qcow2 merged into mid.qcow2 (grown 16 -> 32 MiB) and served");
+}

@@ -6,7 +6,9 @@
 //! frontend), drain and resume (d0), a throttle change (d1, including a group and clearing),
 //! a live grow (g1, which the guest must see), a live external snapshot of g1 (at most
 //! [`MAX_SNAPSHOTS`]: blkplanectl `disk snapshot`, the frontend restarted on the new overlay,
-//! QEMU reconnecting), and a step of a fifth disk's hot-plug life (add with verified I/O,
+//! QEMU reconnecting), a live commit of g1's latest snapshot into the image below it
+//! (blkplanectl `disk commit`: frozen under a temporary overlay, merged while fio writes, the
+//! frontend restarted twice), and a step of a fifth disk's hot-plug life (add with verified I/O,
 //! re-verify, remove). g1 is a qcow2 overlay of a raw base: every fault above also meets its
 //! allocating writes, and at the end `qemu-img check` must find its chain free of corruption.
 //!
@@ -549,6 +551,7 @@ const FAULTS: &[(&str, u64)] = &[
     ("throttle", 2),
     ("resize", 1),
     ("snapshot", 1),
+    ("commit", 1),
     ("hot-plug", 3),
 ];
 
@@ -603,6 +606,11 @@ struct Soak {
     g1_image: PathBuf,
     /// Snapshots of g1 taken so far.
     snapshots: u32,
+    /// The images g1 served before its snapshots still in its chain, the latest last: what a
+    /// commit merges g1's image into.
+    g1_below: Vec<PathBuf>,
+    /// Commits of g1 so far.
+    commits: u32,
     g0_image: PathBuf,
     nonce: String,
 }
@@ -945,9 +953,10 @@ impl Soak {
         let mut procs: Vec<(String, u32)> = vec![(format!("blkplaned{hot}"), self.d.pid())];
         for (id, p) in &self.procs {
             // Each snapshot adds a backing file to g1's chain: one more fd in its frontend and
-            // two in its iothread, a new baseline rather than a leak.
-            let chain = if id == "g1" && self.snapshots > 0 {
-                format!(" after {} snapshot(s)", self.snapshots)
+            // two in its iothread, a new baseline rather than a leak (and a commit takes one
+            // away again: the baseline of that depth).
+            let chain = if id == "g1" && !self.g1_below.is_empty() {
+                format!(" over {} snapshot(s)", self.g1_below.len())
             } else {
                 String::new()
             };
@@ -1023,6 +1032,10 @@ impl Soak {
             "snapshot" if self.snapshots < MAX_SNAPSHOTS => self.snapshot(),
             // Enough of them: the chain stays short.
             "snapshot" => self.resize(),
+            "commit" if !self.g1_below.is_empty() => self.commit(),
+            // Nothing to commit yet: a snapshot makes something.
+            "commit" if self.snapshots < MAX_SNAPSHOTS => self.snapshot(),
+            "commit" => self.resize(),
             "hot-plug" => self.hot_plug(),
             _ => unreachable!(),
         };
@@ -1249,11 +1262,40 @@ impl Soak {
             return Err(format!("snapshot of g1 to {}: {out:?}", overlay.display()));
         }
         let took = self.settle(&[("g1", Expect::NewFrontend)]);
-        self.g1_image = overlay;
+        self.g1_below
+            .push(std::mem::replace(&mut self.g1_image, overlay));
         self.count("snapshot g1".into());
         Ok(format!(
             "snapshot g1 onto {}: frontend restarted on the overlay, QEMU reconnected; \
              chain of {} backing files; settled after {took:.1?}",
+            self.g1_image.display(),
+            out.get("backing_chain").arr().len()
+        ))
+    }
+
+    /// A live commit of g1's image into the image below it while the guest's fio writes to it:
+    /// the disk then serves that image (its chain one shorter); the committed image is left.
+    fn commit(&mut self) -> Result<String, String> {
+        let below = self.g1_below.last().cloned().ok_or("nothing to commit")?;
+        let started = Instant::now();
+        let out = ctl(&self.d, &["disk", "commit", "g1"])?;
+        let took_commit = started.elapsed();
+        if out.get("config").get("image").str() != below.to_str().unwrap() {
+            return Err(format!(
+                "commit of g1 ({}) into {}: {out:?}",
+                self.g1_image.display(),
+                below.display()
+            ));
+        }
+        let took = self.settle(&[("g1", Expect::NewFrontend)]);
+        let committed = std::mem::replace(&mut self.g1_image, below);
+        self.g1_below.pop();
+        self.commits += 1;
+        self.count("commit g1".into());
+        Ok(format!(
+            "commit g1: {} merged into {} in {took_commit:.1?}, frontend restarted on it, QEMU \
+             reconnected; chain of {} backing files; settled after {took:.1?}",
+            committed.display(),
             self.g1_image.display(),
             out.get("backing_chain").arr().len()
         ))
@@ -1710,6 +1752,8 @@ fn soak() {
         g1_capacity: GUEST_SIZE,
         g1_image: image_of["g1"].clone(),
         snapshots: 0,
+        g1_below: Vec::new(),
+        commits: 0,
         g0_image: image_of["g0"].clone(),
         nonce,
     };
@@ -1888,9 +1932,10 @@ fn soak() {
     let g1_check = std::panic::catch_unwind(|| assert_check_clean(&soak.g1_image, true));
     match &g1_check {
         Ok(report) => progress(&format!(
-            "qemu-img check of g1's image {} after {} snapshots: {}",
+            "qemu-img check of g1's image {} after {} snapshots and {} commits: {}",
             soak.g1_image.display(),
             soak.snapshots,
+            soak.commits,
             report.trim().replace('\n', "; ")
         )),
         Err(_) => problems.push(format!(

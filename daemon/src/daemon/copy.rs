@@ -92,6 +92,7 @@ impl Daemon {
         validate::check_id_in("to_disk", &req.to_disk)?;
         let disk = self.get_handle(&req.id)?;
         let id = &req.id;
+        self.refuse_while_committing(id)?;
         let refused = |field: &'static str, reason: String| -> DaemonError {
             ValidationError::FailedPrecondition { field, reason }.into()
         };

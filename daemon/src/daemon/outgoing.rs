@@ -48,6 +48,7 @@ impl Daemon {
         let destination = required_destination(req.destination.as_ref())?;
         let disk = self.get_handle(&req.id)?;
         let id = &req.id;
+        self.refuse_while_committing(id)?;
         let refused = |reason: String| -> DaemonError {
             ValidationError::FailedPrecondition {
                 field: "id",

@@ -36,64 +36,13 @@ impl Daemon {
         let disk = self.get_handle(id)?;
         let op = disk.lifecycle_op.lock().await;
         let ops = self.ops.lock().await;
-        if !lock(&self.disks)
-            .get(id)
-            .is_some_and(|d| Arc::ptr_eq(d, &disk))
-        {
-            return Err(DaemonError::NotFound(id.to_string()));
-        }
+        self.still_in_table(id, &disk)?;
         let overlay = validate::disk::check_overlay(overlay, &self.ctx.image_dirs)?;
-        self.running(&disk)?;
-        if let Some((origin, destination)) = self.migration_of(&disk) {
-            return Err(DaemonError::Migrating {
-                id: id.to_string(),
-                origin,
-                destination,
-            });
-        }
-        self.refuse_while_outgoing(id, &disk)?;
+        self.image_may_change(id, &disk)?;
+        self.refuse_while_committing(id)?;
         let old = disk.config();
-        let socket = disk.paths.admin_socket.clone();
         let was_drained = disk.runtime().lifecycle.drained;
-
-        // Drained (persisted first, as Drain does: a frontend restarted meanwhile comes back
-        // drained) and flushed: the image is complete on disk before it becomes a backing file.
-        self.set_drained(&disk, true)?;
-        let drained = admin::drain(&socket, true).await;
-        let capacity = match drained.and(admin::status(&socket).await) {
-            Ok(status) => status.capacity_bytes,
-            Err(e) => {
-                self.undo_drain(&disk, &socket, was_drained).await;
-                return Err(frontend_error(id, e));
-            }
-        };
-        let new = match make_overlay(&overlay, &old, capacity, &self.ctx.image_dirs) {
-            Ok(()) => DiskSpec {
-                image: overlay.clone(),
-                format: Some(Format::Qcow2),
-                ..old.clone()
-            },
-            Err(e) => {
-                self.undo_drain(&disk, &socket, was_drained).await;
-                return Err(e);
-            }
-        };
-        let switched = self.switch_image(&disk, &new).await;
-        drop(op);
-        drop(ops);
-        let handle = match switched {
-            Ok(handle) => handle,
-            Err(e) => {
-                let _ = std::fs::remove_file(&overlay);
-                // Back on the old image; resumed as it was.
-                if !was_drained {
-                    if let Err(r) = self.resume(id).await {
-                        warn!("disk {id}: resuming after a failed snapshot: {r}");
-                    }
-                }
-                return Err(e);
-            }
-        };
+        let handle = self.put_overlay_over(&disk, &overlay, op, ops).await?;
         info!(
             "disk {id}: snapshot: now serving {} over {}",
             overlay.display(),
@@ -115,8 +64,94 @@ impl Daemon {
         Ok(self.disk_info(&handle, true).await)
     }
 
+    /// NOT_FOUND unless `disk` is still the table's disk `id` (the caller waited for locks).
+    pub(super) fn still_in_table(
+        &self,
+        id: &str,
+        disk: &Arc<DiskHandle>,
+    ) -> Result<(), DaemonError> {
+        if lock(&self.disks)
+            .get(id)
+            .is_some_and(|d| Arc::ptr_eq(d, disk))
+        {
+            Ok(())
+        } else {
+            Err(DaemonError::NotFound(id.to_string()))
+        }
+    }
+
+    /// Refuses to change the image of disk `id` unless its frontend runs and no live migration
+    /// (on this node or across nodes) has it.
+    pub(super) fn image_may_change(&self, id: &str, disk: &DiskHandle) -> Result<(), DaemonError> {
+        self.running(disk)?;
+        if let Some((origin, destination)) = self.migration_of(disk) {
+            return Err(DaemonError::Migrating {
+                id: id.to_string(),
+                origin,
+                destination,
+            });
+        }
+        self.refuse_while_outgoing(id, disk)
+    }
+
+    /// Puts a new qcow2 overlay at `overlay` over the disk's image and restarts the disk on
+    /// it, drained (the caller resumes it if it was not drained before, and holds `op` and
+    /// `ops`, released here once the disk's new handle is in the table). On failure the disk is
+    /// back on its old image, resumed as it was, and the overlay is gone.
+    pub(super) async fn put_overlay_over(
+        &self,
+        disk: &Arc<DiskHandle>,
+        overlay: &Path,
+        op: tokio::sync::MutexGuard<'_, ()>,
+        ops: tokio::sync::MutexGuard<'_, ()>,
+    ) -> Result<Arc<DiskHandle>, DaemonError> {
+        let id = &disk.spec.id;
+        let old = disk.config();
+        let socket = disk.paths.admin_socket.clone();
+        let was_drained = disk.runtime().lifecycle.drained;
+
+        // Drained (persisted first, as Drain does: a frontend restarted meanwhile comes back
+        // drained) and flushed: the image is complete on disk before it becomes a backing file.
+        self.set_drained(disk, true)?;
+        let drained = admin::drain(&socket, true).await;
+        let capacity = match drained.and(admin::status(&socket).await) {
+            Ok(status) => status.capacity_bytes,
+            Err(e) => {
+                self.undo_drain(disk, &socket, was_drained).await;
+                return Err(frontend_error(id, e));
+            }
+        };
+        let new = match make_overlay(overlay, &old, capacity, &self.ctx.image_dirs) {
+            Ok(()) => DiskSpec {
+                image: overlay.to_owned(),
+                format: Some(Format::Qcow2),
+                ..old.clone()
+            },
+            Err(e) => {
+                self.undo_drain(disk, &socket, was_drained).await;
+                return Err(e);
+            }
+        };
+        let switched = self.switch_image(disk, &new).await;
+        drop(op);
+        drop(ops);
+        match switched {
+            Ok(handle) => Ok(handle),
+            Err(e) => {
+                let _ = std::fs::remove_file(overlay);
+                // Back on the old image; resumed as it was.
+                if !was_drained {
+                    if let Err(r) = self.resume(id).await {
+                        warn!("disk {id}: resuming after a failed snapshot: {r}");
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Sets the disk's persisted `drained`, without the `ops` lock (the caller holds it).
-    fn set_drained(&self, disk: &DiskHandle, drained: bool) -> Result<(), DaemonError> {
+    pub(super) fn set_drained(&self, disk: &DiskHandle, drained: bool) -> Result<(), DaemonError> {
         let old = disk.runtime().lifecycle.drained;
         disk.update(|rt| rt.lifecycle.drained = drained);
         if let Err(e) = self.persist() {
@@ -127,7 +162,7 @@ impl Daemon {
     }
 
     /// Undoes the snapshot's drain of a disk that was not drained before.
-    async fn undo_drain(&self, disk: &DiskHandle, socket: &Path, was_drained: bool) {
+    pub(super) async fn undo_drain(&self, disk: &DiskHandle, socket: &Path, was_drained: bool) {
         if was_drained {
             return;
         }
@@ -142,7 +177,7 @@ impl Daemon {
     /// Persists `new` as the disk's configuration, stops its frontend and starts one (drained)
     /// on `new`, under a new supervisor. On failure the old configuration is persisted again
     /// and a frontend started on it (drained: the caller resumes).
-    async fn switch_image(
+    pub(super) async fn switch_image(
         &self,
         disk: &Arc<DiskHandle>,
         new: &DiskSpec,

@@ -84,6 +84,7 @@ impl Daemon {
             cancelling: Mutex::new(Default::default()),
             copies: Mutex::new(Default::default()),
             receiving: Mutex::new(Default::default()),
+            commits: Default::default(),
             _locks: locks,
         });
         daemon.sweep_orphans(&state).await;
