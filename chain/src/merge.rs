@@ -101,6 +101,15 @@ pub enum MergeError {
         /// The overlay's virtual size.
         size: u64,
     },
+    /// The backing file must grow, its last cluster is only partly inside it, and growing it
+    /// would move that cluster (compressed, or shared with an internal snapshot) while a
+    /// running disk reads its head ([`Readers::ThroughTop`]).
+    #[error(
+        "{0}: its last cluster, only partly inside its virtual size, is compressed (or shared \
+         with an internal snapshot) and would move when the file grows to the overlay's size \
+         while the disk reads it; `qemu-img convert` it (uncompressed) first"
+    )]
+    MovingTail(PathBuf),
     /// Reading, writing, growing or flushing failed.
     #[error("{what} {path} at {offset}: {source}")]
     Io {
@@ -382,6 +391,16 @@ fn copy(
         });
     }
     let old_size = base.size();
+    if let Some(cluster) = target.moving_clusters {
+        let tail = old_size.checked_rem(cluster).unwrap_or(0);
+        let last = old_size.saturating_sub(tail);
+        if old_size < size
+            && tail != 0
+            && would_move(base, last).map_err(io_error("mapping", target.path, last))?
+        {
+            return Err(MergeError::MovingTail(target.path.to_owned()));
+        }
+    }
     base.resize_grow(size, PreallocateMode::None)
         .map_err(io_error("growing", target.path, size))?;
     let mut merged = Merged::default();

@@ -324,24 +324,9 @@ impl Daemon {
         spec: &DiskSpec,
         identity: validate::ImageIdentity,
     ) -> Result<(), ValidationError> {
-        let disks = lock(&self.disks);
-        if disks.contains_key(&spec.id) {
-            return Err(ValidationError::AlreadyExists {
-                field: "id",
-                reason: format!("a disk named {:?} exists", spec.id),
-            });
-        }
-        // blkplaned's own files are no disk images (a guest could rewrite the state).
-        for own in [self.store.path(), self.state_dir.join(".lock")] {
-            if validate::image_identity(&own) == Some(identity) {
-                return Err(ValidationError::Invalid {
-                    field: "settings.image",
-                    reason: format!("{} is blkplaned's own file", spec.image.display()),
-                });
-            }
-        }
         // A running commit writes its image's backing file and then drops its image from the
-        // chain: neither may join another disk meanwhile.
+        // chain: neither may join another disk meanwhile. (Before the table's lock: this reads
+        // files.)
         let files = std::iter::once(spec.image.clone()).chain(
             backing_chain(spec, &self.ctx.image_dirs)
                 .into_iter()
@@ -357,6 +342,22 @@ impl Daemon {
                          that has finished",
                         file.display()
                     ),
+                });
+            }
+        }
+        let disks = lock(&self.disks);
+        if disks.contains_key(&spec.id) {
+            return Err(ValidationError::AlreadyExists {
+                field: "id",
+                reason: format!("a disk named {:?} exists", spec.id),
+            });
+        }
+        // blkplaned's own files are no disk images (a guest could rewrite the state).
+        for own in [self.store.path(), self.state_dir.join(".lock")] {
+            if validate::image_identity(&own) == Some(identity) {
+                return Err(ValidationError::Invalid {
+                    field: "settings.image",
+                    reason: format!("{} is blkplaned's own file", spec.image.display()),
                 });
             }
         }
@@ -813,23 +814,38 @@ impl Daemon {
 
     /// ResizeDisk: grow only, in whole blocks; the frontend grows the image and tells the guest.
     pub async fn resize_disk(&self, id: &str, new_size: u64) -> Result<ResizeDone, DaemonError> {
-        let disk = self.get_handle(id)?;
         // The disk's lifecycle, as Snapshot and Commit take it: neither reads the capacity
         // while a grow is under way.
-        let _op = disk.lifecycle_op.lock().await;
+        loop {
+            let disk = self.get_handle(id)?;
+            let _op = disk.lifecycle_op.lock().await;
+            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
+            if self.still_in_table(id, &disk).is_ok() {
+                return self.resize_locked(id, &disk, new_size).await;
+            }
+        }
+    }
+
+    /// ResizeDisk of the table's `disk`, its lifecycle lock held.
+    async fn resize_locked(
+        &self,
+        id: &str,
+        disk: &Arc<DiskHandle>,
+        new_size: u64,
+    ) -> Result<ResizeDone, DaemonError> {
         validate::check_new_size(new_size, disk.spec.block_size)?;
-        self.running(&disk)?;
+        self.running(disk)?;
         if disk.runtime().lifecycle.drained {
             return Err(DaemonError::Drained(id.to_string()));
         }
-        if let Some((origin, destination)) = self.migration_of(&disk) {
+        if let Some((origin, destination)) = self.migration_of(disk) {
             return Err(DaemonError::Migrating {
                 id: id.to_string(),
                 origin,
                 destination,
             });
         }
-        self.refuse_while_outgoing(id, &disk)?;
+        self.refuse_while_outgoing(id, disk)?;
         self.refuse_while_committing(id)?;
         let admin_err = |source| DaemonError::Admin {
             id: id.to_string(),
@@ -905,11 +921,26 @@ impl Daemon {
     /// `flush`, syncs the image. The drained state is persisted first, so that a frontend
     /// restarted meanwhile starts drained; if the drain fails it is undone.
     pub async fn drain(&self, id: &str, flush: bool) -> Result<pb::DrainDiskResponse, DaemonError> {
-        let disk = self.get_handle(id)?;
-        let _op = disk.lifecycle_op.lock().await;
-        self.running(&disk)?;
+        loop {
+            let disk = self.get_handle(id)?;
+            let _op = disk.lifecycle_op.lock().await;
+            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
+            if self.still_in_table(id, &disk).is_ok() {
+                return self.drain_locked(id, &disk, flush).await;
+            }
+        }
+    }
+
+    /// Drain of the table's `disk`, its lifecycle lock held.
+    async fn drain_locked(
+        &self,
+        id: &str,
+        disk: &Arc<DiskHandle>,
+        flush: bool,
+    ) -> Result<pb::DrainDiskResponse, DaemonError> {
+        self.running(disk)?;
         let was_drained = disk.runtime().lifecycle.drained;
-        self.change_lifecycle(&disk, |l| l.drained = true).await?;
+        self.change_lifecycle(disk, |l| l.drained = true).await?;
         let socket = &disk.paths.admin_socket;
         match admin::drain(socket, flush).await {
             Ok(done) => {
@@ -939,7 +970,7 @@ impl Daemon {
                     if let Err(r) = admin::resume(socket).await {
                         warn!("disk {id}: undoing a failed drain: {r}");
                     }
-                    if let Err(p) = self.change_lifecycle(&disk, |l| l.drained = false).await {
+                    if let Err(p) = self.change_lifecycle(disk, |l| l.drained = false).await {
                         warn!("disk {id}: undoing a failed drain: {p}");
                     }
                 }
@@ -951,11 +982,21 @@ impl Daemon {
     /// Resume: the disk is no longer drained (persisted), and its frontend, if it runs,
     /// serves its rings again. A disk that is not drained is left as it is.
     pub async fn resume(&self, id: &str) -> Result<bool, DaemonError> {
-        let disk = self.get_handle(id)?;
-        let _op = disk.lifecycle_op.lock().await;
+        loop {
+            let disk = self.get_handle(id)?;
+            let _op = disk.lifecycle_op.lock().await;
+            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
+            if self.still_in_table(id, &disk).is_ok() {
+                return self.resume_locked(id, &disk).await;
+            }
+        }
+    }
+
+    /// Resume of the table's `disk`, its lifecycle lock held.
+    async fn resume_locked(&self, id: &str, disk: &Arc<DiskHandle>) -> Result<bool, DaemonError> {
         let was_drained = disk.runtime().lifecycle.drained;
         if was_drained {
-            self.change_lifecycle(&disk, |l| l.drained = false).await?;
+            self.change_lifecycle(disk, |l| l.drained = false).await?;
         }
         let rt = disk.runtime();
         // A frontend that is not running starts undrained; one that does not answer now is

@@ -69,7 +69,44 @@ impl TwoNodes {
     /// it (`true`).
     pub fn connect(&self, i: usize, up: bool) -> Result<(), String> {
         let state = if up { "up" } else { "down" };
-        ip(&["-n", self.name(i), "link", "set", &self.links[i], state])
+        ip(&["-n", self.name(i), "link", "set", &self.links[i], state])?;
+        if up {
+            // What the nodes learnt while the cable was out (an address that did not answer)
+            // would fail their next connections for a while.
+            for node in 0..2 {
+                ip(&["-n", self.name(node), "neigh", "flush", "all"])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until a TCP connection from node `from` to `address`:`port` succeeds (the network
+    /// is back and something listens), at most `timeout`.
+    pub fn wait_reachable(
+        &self,
+        from: usize,
+        address: &str,
+        port: u16,
+        timeout: std::time::Duration,
+    ) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let reached = self
+                .command(from, "bash")
+                .args(["-c", &format!("exec 3<>/dev/tcp/{address}/{port}")])
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if reached {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "node {from} did not reach {address}:{port} within {timeout:?}"
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
     }
 
     /// `program` to run in node `i`.

@@ -445,6 +445,8 @@ impl Host<'_> {
                     nodes.connect(1, false)?;
                     let failure = wait_for(MIGRATION_TIMEOUT, failed);
                     nodes.connect(1, true)?;
+                    // The next case's copy must not meet the cable still out.
+                    nodes.wait_reachable(0, ADDRESSES[1], API_PORT, CONTROL_TIMEOUT)?;
                     let failure = failure.ok_or("the copy across a cut network never failed")?;
                     wait_for(MIGRATION_TIMEOUT, || (ended() > ended_before).then_some(()))
                         .ok_or("node B never said its copy ended")?;

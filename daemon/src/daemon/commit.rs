@@ -170,9 +170,12 @@ impl Daemon {
             overlay.display(),
             base.display()
         );
+        // A resume that fails here is owed: the disk ends resumed all the same.
+        let mut owed = None;
         if !was_drained {
             if let Err(e) = self.resume(id).await {
-                return Err(self.undo(id, &old, &overlay, e.to_string()).await);
+                warn!("disk {id}: resuming after the commit's freeze: {e}");
+                owed = Some(false);
             }
         }
 
@@ -181,7 +184,7 @@ impl Daemon {
         let live = move || merge_into_backing(&image, 0, &dirs, Readers::ThroughTop, None);
         let merged = match merge(live).await {
             Ok(merged) => merged,
-            Err(e) => return Err(self.undo(id, &old, &overlay, e).await),
+            Err(e) => return Err(self.undo(id, &old, &overlay, e, owed).await),
         };
         let new = DiskSpec {
             image: base.clone(),
@@ -206,9 +209,9 @@ impl Daemon {
             last.zero_bytes = last.zero_bytes.saturating_add(rest.zero_bytes);
             Ok(last)
         };
-        let (handle, last) = match self.merge_and_switch(id, last, &new).await {
+        let (handle, last) = match self.merge_and_switch(id, last, &new, owed).await {
             Ok(done) => done,
-            Err(e) => return Err(self.undo(id, &old, &overlay, e).await),
+            Err(e) => return Err(self.undo(id, &old, &overlay, e, owed).await),
         };
         if let Err(e) = std::fs::remove_file(&overlay) {
             warn!(
@@ -368,16 +371,19 @@ impl Daemon {
         Ok(())
     }
 
-    /// Drains disk `id`, runs `merge_drained` (nobody reads the files meanwhile), and restarts
-    /// the disk on `new`; resumes it unless it was drained before. Returns the disk's new
-    /// handle and what was copied. On failure the disk serves what it served, resumed as it
-    /// was — by a new frontend once the merge ran, even in part: it may have moved clusters
-    /// whose old places the old frontend's iothreads hold in their caches.
+    /// Drains disk `id`, stops its frontend, runs `merge_drained` (nobody reads the files
+    /// meanwhile), and starts the disk on `new`; resumes it unless it was drained before
+    /// (`was_drained`, or as its state says if `None`). Returns the disk's new handle and what
+    /// was copied. On failure the disk serves what it served, resumed as it was, by a new
+    /// frontend: a merge that ran, even in part, may have moved clusters whose old places the
+    /// old frontend's iothreads hold in their caches — which is also why the old frontend is
+    /// stopped before the merge, so that a blkplaned that dies meanwhile finds none to adopt.
     async fn merge_and_switch(
         &self,
         id: &str,
         merge_drained: impl FnOnce() -> Result<Merged, MergeError> + Send + 'static,
         new: &DiskSpec,
+        was_drained: Option<bool>,
     ) -> Result<(Arc<DiskHandle>, Merged), String> {
         let disk = self.get_handle(id).map_err(|e| e.to_string())?;
         // A frontend that crashed during the merge is being restarted by its supervisor.
@@ -392,7 +398,7 @@ impl Daemon {
             let _ops = self.ops.lock().await;
             self.still_in_table(id, &disk).map_err(|e| e.to_string())?;
             self.running(&disk).map_err(|e| e.to_string())?;
-            let was_drained = disk.runtime().lifecycle.drained;
+            let was_drained = was_drained.unwrap_or(disk.runtime().lifecycle.drained);
             self.set_drained(&disk, true).map_err(|e| e.to_string())?;
             (disk.paths.admin_socket.clone(), was_drained)
         };
@@ -401,6 +407,8 @@ impl Daemon {
             self.undo_drain(&disk, &socket, was_drained).await;
             return Err(frontend_error(id, e).to_string());
         }
+        // Drained and flushed: nothing in flight, the image complete in its file.
+        disk.stop().await;
         let merged = merge(merge_drained).await;
         let target = if merged.is_ok() {
             new.clone()
@@ -445,16 +453,24 @@ impl Daemon {
     }
 
     /// After a commit failed (`why`) once the disk serves `overlay` over `old`'s image: merges
-    /// the overlay back into the image and serves the image again. Returns the error for the
-    /// caller, which says where the disk is.
-    async fn undo(&self, id: &str, old: &DiskSpec, overlay: &Path, why: String) -> DaemonError {
+    /// the overlay back into the image and serves the image again, resumed unless it was
+    /// drained before (`was_drained`, or as its state says if `None`). Returns the error for
+    /// the caller, which says where the disk is.
+    async fn undo(
+        &self,
+        id: &str,
+        old: &DiskSpec,
+        overlay: &Path,
+        why: String,
+        was_drained: Option<bool>,
+    ) -> DaemonError {
         warn!(
             "disk {id}: commit failed: {why}; merging {} back",
             overlay.display()
         );
         let (top, dirs) = (overlay.to_owned(), self.ctx.image_dirs.clone());
         let back = move || merge_into_backing(&top, 0, &dirs, Readers::None, None);
-        let reason = match self.merge_and_switch(id, back, old).await {
+        let reason = match self.merge_and_switch(id, back, old, was_drained).await {
             Ok(_) => {
                 if let Err(e) = std::fs::remove_file(overlay) {
                     warn!("disk {id}: removing {}: {e}", overlay.display());
