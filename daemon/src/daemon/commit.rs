@@ -136,11 +136,28 @@ impl Daemon {
     /// The commit itself, claimed for its whole length.
     async fn run_commit(&self, id: &str) -> Result<pb::Disk, DaemonError> {
         let claim = self.commits.claim(id)?;
-        let disk = self.get_handle(id)?;
-        let op = disk.lifecycle_op.lock().await;
-        let ops = self.ops.lock().await;
-        self.still_in_table(id, &disk)?;
-        self.image_may_change(id, &disk)?;
+        loop {
+            let disk = self.get_handle(id)?;
+            let op = disk.lifecycle_op.lock().await;
+            let ops = self.ops.lock().await;
+            // Replaced while this waited (a Snapshot's switch): the new one.
+            if self.still_in_table(id, &disk).is_ok() {
+                return self.commit_locked(id, &claim, &disk, op, ops).await;
+            }
+        }
+    }
+
+    /// The commit of the table's `disk`, claimed, its lifecycle lock (`op`) and the table's
+    /// (`ops`) held until its image is frozen.
+    async fn commit_locked(
+        &self,
+        id: &str,
+        claim: &Claim<'_>,
+        disk: &Arc<DiskHandle>,
+        op: tokio::sync::MutexGuard<'_, ()>,
+        ops: tokio::sync::MutexGuard<'_, ()>,
+    ) -> Result<pb::Disk, DaemonError> {
+        self.image_may_change(id, disk)?;
         let old = disk.config();
         if old.read_only {
             return Err(cannot(
@@ -163,7 +180,7 @@ impl Daemon {
             ));
         }
         let was_drained = disk.runtime().lifecycle.drained;
-        self.put_overlay_over(&disk, &overlay, op, ops).await?;
+        self.put_overlay_over(disk, &overlay, op, ops).await?;
         info!(
             "disk {id}: commit: {} frozen under {}; merging it into {}",
             old.image.display(),
@@ -235,7 +252,6 @@ impl Daemon {
         self.events
             .emit(EventKind::Commit, id, handle.runtime().pid, message);
         drop(handle);
-        drop(claim);
         let now = self.get_handle(id)?;
         Ok(self.disk_info(&now, true).await)
     }

@@ -33,16 +33,32 @@ impl Daemon {
         // The disk's lifecycle first, then the table, as Drain, Resume and a copy's
         // switch-over take them. AddDisk and RemoveDisk wait: the table entry is replaced
         // below.
-        let disk = self.get_handle(id)?;
-        let op = disk.lifecycle_op.lock().await;
-        let ops = self.ops.lock().await;
-        self.still_in_table(id, &disk)?;
+        loop {
+            let disk = self.get_handle(id)?;
+            let op = disk.lifecycle_op.lock().await;
+            let ops = self.ops.lock().await;
+            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
+            if self.still_in_table(id, &disk).is_ok() {
+                return self.snapshot_locked(id, &disk, overlay, op, ops).await;
+            }
+        }
+    }
+
+    /// Snapshot of the table's `disk`, its lifecycle lock (`op`) and the table's (`ops`) held.
+    async fn snapshot_locked(
+        &self,
+        id: &str,
+        disk: &Arc<DiskHandle>,
+        overlay: &str,
+        op: tokio::sync::MutexGuard<'_, ()>,
+        ops: tokio::sync::MutexGuard<'_, ()>,
+    ) -> Result<pb::Disk, DaemonError> {
         let overlay = validate::disk::check_overlay(overlay, &self.ctx.image_dirs)?;
-        self.image_may_change(id, &disk)?;
+        self.image_may_change(id, disk)?;
         self.refuse_while_committing(id)?;
         let old = disk.config();
         let was_drained = disk.runtime().lifecycle.drained;
-        let handle = self.put_overlay_over(&disk, &overlay, op, ops).await?;
+        let handle = self.put_overlay_over(disk, &overlay, op, ops).await?;
         info!(
             "disk {id}: snapshot: now serving {} over {}",
             overlay.display(),
