@@ -536,6 +536,14 @@ mod tests {
         qemu_img(&args);
     }
 
+    /// A raw `base.raw` in `dir` of `size`, every byte `pattern`.
+    fn raw_base(dir: &Path, size: &str, pattern: &str) {
+        let path = dir.join("base.raw");
+        let path = path.to_str().unwrap();
+        qemu_img(&["create", "-q", "-f", "raw", path, size]);
+        qemu_io(path, "raw", &[&format!("write -P {pattern} 0 {size}")]);
+    }
+
     fn dir(name: &str) -> PathBuf {
         let dir =
             std::env::temp_dir().join(format!("blkplane-merge-{name}-{}", std::process::id()));
@@ -552,8 +560,7 @@ mod tests {
     fn the_backing_file_shows_what_the_overlay_showed() {
         let d = dir("chain");
         let p = |n: &str| d.join(n).to_str().unwrap().to_owned();
-        qemu_img(&["create", "-q", "-f", "raw", &p("base.raw"), "4M"]);
-        qemu_io(&p("base.raw"), "raw", &["write -P 0x11 0 4M"]);
+        raw_base(&d, "4M", "0x11");
         overlay(
             &d,
             "mid.qcow2",
@@ -636,8 +643,7 @@ mod tests {
     fn raw_backing_files_and_refusals() {
         let d = dir("raw");
         let p = |n: &str| d.join(n).to_str().unwrap().to_owned();
-        qemu_img(&["create", "-q", "-f", "raw", &p("base.raw"), "1M"]);
-        qemu_io(&p("base.raw"), "raw", &["write -P 0x11 0 1M"]);
+        raw_base(&d, "1M", "0x11");
         overlay(&d, "top.qcow2", "base.raw", "raw", "", "1M");
         qemu_io(
             &p("top.qcow2"),
@@ -792,8 +798,7 @@ mod tests {
         for compat in ["1.1", "0.10"] {
             let d = dir(&format!("grow-{compat}"));
             let p = |n: &str| d.join(n).to_str().unwrap().to_owned();
-            qemu_img(&["create", "-q", "-f", "raw", &p("base.raw"), "16M"]);
-            qemu_io(&p("base.raw"), "raw", &["write -P 0x77 0 16M"]);
+            raw_base(&d, "16M", "0x77");
             overlay(
                 &d,
                 "mid.qcow2",

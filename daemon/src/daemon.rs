@@ -311,6 +311,22 @@ impl Daemon {
         Ok(())
     }
 
+    /// Disk `id`'s handle with its lifecycle lock held: the table's handle once the lock is
+    /// held (a Snapshot's or a Commit's switch replaces it while one waits, holding the old
+    /// one's lock).
+    async fn lock_lifecycle(
+        &self,
+        id: &str,
+    ) -> Result<(Arc<DiskHandle>, tokio::sync::OwnedMutexGuard<()>), DaemonError> {
+        loop {
+            let disk = self.get_handle(id)?;
+            let op = Arc::clone(&disk.lifecycle_op).lock_owned().await;
+            if self.still_in_table(id, &disk).is_ok() {
+                return Ok((disk, op));
+            }
+        }
+    }
+
     fn get_handle(&self, id: &str) -> Result<Arc<DiskHandle>, DaemonError> {
         lock(&self.disks)
             .get(id)
@@ -816,23 +832,8 @@ impl Daemon {
     pub async fn resize_disk(&self, id: &str, new_size: u64) -> Result<ResizeDone, DaemonError> {
         // The disk's lifecycle, as Snapshot and Commit take it: neither reads the capacity
         // while a grow is under way.
-        loop {
-            let disk = self.get_handle(id)?;
-            let _op = disk.lifecycle_op.lock().await;
-            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
-            if self.still_in_table(id, &disk).is_ok() {
-                return self.resize_locked(id, &disk, new_size).await;
-            }
-        }
-    }
-
-    /// ResizeDisk of the table's `disk`, its lifecycle lock held.
-    async fn resize_locked(
-        &self,
-        id: &str,
-        disk: &Arc<DiskHandle>,
-        new_size: u64,
-    ) -> Result<ResizeDone, DaemonError> {
+        let (handle, _op) = self.lock_lifecycle(id).await?;
+        let disk = &handle;
         validate::check_new_size(new_size, disk.spec.block_size)?;
         self.running(disk)?;
         if disk.runtime().lifecycle.drained {
@@ -921,23 +922,8 @@ impl Daemon {
     /// `flush`, syncs the image. The drained state is persisted first, so that a frontend
     /// restarted meanwhile starts drained; if the drain fails it is undone.
     pub async fn drain(&self, id: &str, flush: bool) -> Result<pb::DrainDiskResponse, DaemonError> {
-        loop {
-            let disk = self.get_handle(id)?;
-            let _op = disk.lifecycle_op.lock().await;
-            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
-            if self.still_in_table(id, &disk).is_ok() {
-                return self.drain_locked(id, &disk, flush).await;
-            }
-        }
-    }
-
-    /// Drain of the table's `disk`, its lifecycle lock held.
-    async fn drain_locked(
-        &self,
-        id: &str,
-        disk: &Arc<DiskHandle>,
-        flush: bool,
-    ) -> Result<pb::DrainDiskResponse, DaemonError> {
+        let (handle, _op) = self.lock_lifecycle(id).await?;
+        let disk = &handle;
         self.running(disk)?;
         let was_drained = disk.runtime().lifecycle.drained;
         self.change_lifecycle(disk, |l| l.drained = true).await?;
@@ -982,18 +968,8 @@ impl Daemon {
     /// Resume: the disk is no longer drained (persisted), and its frontend, if it runs,
     /// serves its rings again. A disk that is not drained is left as it is.
     pub async fn resume(&self, id: &str) -> Result<bool, DaemonError> {
-        loop {
-            let disk = self.get_handle(id)?;
-            let _op = disk.lifecycle_op.lock().await;
-            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
-            if self.still_in_table(id, &disk).is_ok() {
-                return self.resume_locked(id, &disk).await;
-            }
-        }
-    }
-
-    /// Resume of the table's `disk`, its lifecycle lock held.
-    async fn resume_locked(&self, id: &str, disk: &Arc<DiskHandle>) -> Result<bool, DaemonError> {
+        let (handle, _op) = self.lock_lifecycle(id).await?;
+        let disk = &handle;
         let was_drained = disk.runtime().lifecycle.drained;
         if was_drained {
             self.change_lifecycle(disk, |l| l.drained = false).await?;
@@ -1037,28 +1013,43 @@ impl Daemon {
     }
 }
 
-/// A failed admin call on behalf of an API call: the frontend's refusal is a precondition
-/// (FAILED_PRECONDITION), anything else means it did not answer (UNAVAILABLE).
 /// A qcow2 disk's backing files as its headers name them now (resolved), for the API; empty
 /// for a raw image, or when the chain cannot be read (the frontend's start reports why).
 fn backing_chain(spec: &DiskSpec, image_dirs: &[PathBuf]) -> Vec<String> {
     if spec.format != Some(crate::state::Format::Qcow2) {
         return Vec::new();
     }
-    let Ok(file) = std::fs::File::open(&spec.image) else {
-        return Vec::new();
-    };
-    blkplane_chain::open(&file, &spec.image, image_dirs)
-        .map(|chain| {
-            chain
-                .backing
+    chain_files(spec, image_dirs)
+        .map(|files| {
+            files
                 .iter()
-                .map(|b| b.path.to_string_lossy().into_owned())
+                .skip(1)
+                .map(|f| f.to_string_lossy().into_owned())
                 .collect()
         })
         .unwrap_or_default()
 }
 
+/// The files of `spec`'s chain: its image, then its backing files (a qcow2 image's, with the
+/// format probed if the disk has none recorded).
+fn chain_files(spec: &DiskSpec, image_dirs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
+    let file = std::fs::File::open(&spec.image).map_err(|e| e.to_string())?;
+    let format = match spec.format {
+        Some(crate::state::Format::Raw) => blkplane_chain::ImageFormat::Raw,
+        Some(crate::state::Format::Qcow2) => blkplane_chain::ImageFormat::Qcow2,
+        None => blkplane_chain::probe(&file, &spec.image).map_err(|e| e.to_string())?,
+    };
+    let mut files = vec![spec.image.clone()];
+    if format == blkplane_chain::ImageFormat::Qcow2 {
+        let chain =
+            blkplane_chain::open(&file, &spec.image, image_dirs).map_err(|e| e.to_string())?;
+        files.extend(chain.backing.into_iter().map(|b| b.path));
+    }
+    Ok(files)
+}
+
+/// A failed admin call on behalf of an API call: the frontend's refusal is a precondition
+/// (FAILED_PRECONDITION), anything else means it did not answer (UNAVAILABLE).
 fn frontend_error(id: &str, e: AdminError) -> DaemonError {
     match e {
         AdminError::Refused(reason) => DaemonError::Refused {

@@ -78,7 +78,7 @@ pub struct DiskHandle {
     task: Mutex<Option<JoinHandle<()>>>,
     /// Held by Drain and Resume for their whole call, and by the poll while it makes the
     /// frontend follow the desired drained state, so that they never cross.
-    pub lifecycle_op: tokio::sync::Mutex<()>,
+    pub lifecycle_op: Arc<tokio::sync::Mutex<()>>,
     /// The blockers last published, by reason number (their events were emitted).
     published: Mutex<BTreeMap<i32, Published>>,
     /// The blocker lines last sent to the frontend, and the pid that took them; the lock
@@ -143,7 +143,7 @@ impl DiskHandle {
             events: events.clone(),
             stop_tx,
             task: Mutex::new(None),
-            lifecycle_op: tokio::sync::Mutex::new(()),
+            lifecycle_op: Arc::new(tokio::sync::Mutex::new(())),
             published: Mutex::new(BTreeMap::new()),
             pushed: tokio::sync::Mutex::new(None),
             throttle_push: tokio::sync::Mutex::new(()),

@@ -136,27 +136,11 @@ impl Daemon {
     /// The commit itself, claimed for its whole length.
     async fn run_commit(&self, id: &str) -> Result<pb::Disk, DaemonError> {
         let claim = self.commits.claim(id)?;
-        loop {
-            let disk = self.get_handle(id)?;
-            let op = disk.lifecycle_op.lock().await;
-            let ops = self.ops.lock().await;
-            // Replaced while this waited (a Snapshot's switch): the new one.
-            if self.still_in_table(id, &disk).is_ok() {
-                return self.commit_locked(id, &claim, &disk, op, ops).await;
-            }
-        }
-    }
-
-    /// The commit of the table's `disk`, claimed, its lifecycle lock (`op`) and the table's
-    /// (`ops`) held until its image is frozen.
-    async fn commit_locked(
-        &self,
-        id: &str,
-        claim: &Claim<'_>,
-        disk: &Arc<DiskHandle>,
-        op: tokio::sync::MutexGuard<'_, ()>,
-        ops: tokio::sync::MutexGuard<'_, ()>,
-    ) -> Result<pb::Disk, DaemonError> {
+        let (disk, op) = self.lock_lifecycle(id).await?;
+        let ops = self.ops.lock().await;
+        // Removed while this waited for the table.
+        self.still_in_table(id, &disk)?;
+        let disk = &disk;
         self.image_may_change(id, disk)?;
         let old = disk.config();
         if old.read_only {
@@ -352,7 +336,7 @@ impl Daemon {
             .map(|d| d.config())
             .collect();
         for other in others {
-            let files = chain_files(&other, &self.ctx.image_dirs).map_err(|e| {
+            let files = super::chain_files(&other, &self.ctx.image_dirs).map_err(|e| {
                 cannot(
                     id,
                     format!(
@@ -512,24 +496,6 @@ impl Daemon {
             reason,
         }
     }
-}
-
-/// The files of `spec`'s chain: its image, then its backing files (a qcow2 image's, with the
-/// format probed if the disk has none recorded).
-fn chain_files(spec: &DiskSpec, image_dirs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
-    let file = std::fs::File::open(&spec.image).map_err(|e| e.to_string())?;
-    let format = match spec.format {
-        Some(Format::Raw) => ImageFormat::Raw,
-        Some(Format::Qcow2) => ImageFormat::Qcow2,
-        None => blkplane_chain::probe(&file, &spec.image).map_err(|e| e.to_string())?,
-    };
-    let mut files = vec![spec.image.clone()];
-    if format == ImageFormat::Qcow2 {
-        let chain =
-            blkplane_chain::open(&file, &spec.image, image_dirs).map_err(|e| e.to_string())?;
-        files.extend(chain.backing.into_iter().map(|b| b.path));
-    }
-    Ok(files)
 }
 
 /// Runs a merge on a blocking thread (imago's calls are synchronous here); its error as text.

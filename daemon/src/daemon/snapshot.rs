@@ -33,26 +33,11 @@ impl Daemon {
         // The disk's lifecycle first, then the table, as Drain, Resume and a copy's
         // switch-over take them. AddDisk and RemoveDisk wait: the table entry is replaced
         // below.
-        loop {
-            let disk = self.get_handle(id)?;
-            let op = disk.lifecycle_op.lock().await;
-            let ops = self.ops.lock().await;
-            // Replaced while this waited (a Snapshot's or a Commit's switch): the new one.
-            if self.still_in_table(id, &disk).is_ok() {
-                return self.snapshot_locked(id, &disk, overlay, op, ops).await;
-            }
-        }
-    }
-
-    /// Snapshot of the table's `disk`, its lifecycle lock (`op`) and the table's (`ops`) held.
-    async fn snapshot_locked(
-        &self,
-        id: &str,
-        disk: &Arc<DiskHandle>,
-        overlay: &str,
-        op: tokio::sync::MutexGuard<'_, ()>,
-        ops: tokio::sync::MutexGuard<'_, ()>,
-    ) -> Result<pb::Disk, DaemonError> {
+        let (disk, op) = self.lock_lifecycle(id).await?;
+        let ops = self.ops.lock().await;
+        // Removed while this waited for the table.
+        self.still_in_table(id, &disk)?;
+        let disk = &disk;
         let overlay = validate::disk::check_overlay(overlay, &self.ctx.image_dirs)?;
         self.image_may_change(id, disk)?;
         self.refuse_while_committing(id)?;
@@ -118,7 +103,7 @@ impl Daemon {
         &self,
         disk: &Arc<DiskHandle>,
         overlay: &Path,
-        op: tokio::sync::MutexGuard<'_, ()>,
+        op: tokio::sync::OwnedMutexGuard<()>,
         ops: tokio::sync::MutexGuard<'_, ()>,
     ) -> Result<Arc<DiskHandle>, DaemonError> {
         let id = &disk.spec.id;
