@@ -13,7 +13,8 @@
 //! [`super::chain`]'s in-place allocation like every other):
 //! 1. *Fill*: the cluster's old data — what the backing chain has there — is read into one of
 //!    a few cluster-sized buffers, through io_uring (zeros and compressed data without it);
-//!    the part the guest overwrites is not read.
+//!    the part the guest overwrites is not read, unless it is small and old data follows it
+//!    (then one read takes both sides, as QEMU does: [`MERGED_READ_GAP`]).
 //! 2. The guest's data is copied in, and imago maps the cluster in its caches at once
 //!    ([`Qcow2Image::allocate_cluster_ahead`](crate::qcow2::Qcow2Image::allocate_cluster_ahead): it copies nothing, the write covers the
 //!    cluster), while the L2 entry in the file keeps its old value.
@@ -27,8 +28,8 @@
 //! by the whole cluster) waits in [`ClusterWrites::waiting`]; so do allocations when all
 //! buffers are in use; a mapping stops short of the first cluster in flight. A killed
 //! iothread leaves the old entry in the file (the cluster is leaked at worst) and the frontend
-//! resubmits the request. The image file is extended ahead of the cluster writes
-//! ([`PREALLOCATE`]), so that they overlap at the device.
+//! resubmits the request. The image file's size is extended ahead of the cluster writes
+//! ([`EXTEND_AHEAD`]), so that they overlap at the device.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -47,13 +48,22 @@ const BUFFER_BUDGET: usize = 8 << 20;
 /// The most cluster writes in flight at once (beyond queue depth 64 they wait for a buffer).
 const MAX_BUFFERS: usize = 64;
 
-/// How far beyond a cluster write that would extend the image file the file is extended at
-/// once (allocated, reading as zeros, refcounted by nothing: imago's allocator hands those
-/// clusters out next). An O_DIRECT write past the end of a file runs alone: ext4 takes the
-/// inode lock exclusively for it and holds it through the device time; one inside the file,
-/// into allocated (unwritten) blocks, takes it shared, so cluster writes overlap — as QEMU's
-/// `preallocate` filter does it for the same reason.
-const PREALLOCATE: u64 = 8 << 20;
+/// How far beyond a cluster write that would extend the image file the file's size is
+/// extended at once — sparsely (`ftruncate`: a hole, reading as zeros, refcounted by nothing;
+/// imago's allocator hands those clusters out next). An O_DIRECT write past the end of a file
+/// runs alone: ext4 takes the inode lock exclusively for it and holds it through the device
+/// time; one into a hole inside the file holds it only while it allocates the blocks, so
+/// cluster writes overlap at the device. Not `fallocate` (what QEMU's `preallocate` filter
+/// does): blocks allocated ahead in large extents and written later made every later 4 KiB
+/// overwrite of the clusters a quarter slower on the virtual disk measured, where blocks the
+/// writes allocate themselves lie as qemu-storage-daemon's do (BENCHMARKS.md, "Issue 17, the
+/// thin clone's copy-on-write in one read, its file extended as a hole").
+const EXTEND_AHEAD: u64 = 8 << 20;
+
+/// The largest guest part of a cluster the fill reads through (old data the guest's bytes then
+/// overwrite) rather than read the old data before and after it separately: QEMU's qcow2
+/// merges its copy-on-write reads up to the same size (`perform_cow`).
+const MERGED_READ_GAP: u64 = 16 << 10;
 
 /// The alignment of the buffers: O_DIRECT's on any device.
 const BUFFER_ALIGN: usize = 4096;
@@ -106,10 +116,10 @@ pub(super) struct ClusterWrites {
     poisoned: Vec<Range<u64>>,
     /// The O_DIRECT fd refused a cluster write's alignment: allocations run in place.
     direct_refused: bool,
-    /// How far the image file is known to reach (extended ahead by [`PREALLOCATE`]).
+    /// How far the image file is known to reach (extended ahead by [`EXTEND_AHEAD`]).
     file_end: u64,
     /// Extending the file ahead failed once: not tried again.
-    preallocation_failed: bool,
+    extension_failed: bool,
 }
 
 impl ClusterWrites {
@@ -138,7 +148,7 @@ impl ClusterWrites {
             poisoned: Vec::new(),
             direct_refused: false,
             file_end: 0,
-            preallocation_failed: false,
+            extension_failed: false,
         })
     }
 
@@ -326,7 +336,7 @@ impl Core {
                 return self.fail_cluster_write(slot, libc::EBADF);
             };
             let size = chain.cluster_size();
-            // The guest's own bytes in the cluster are not read.
+            // The guest's own bytes in the cluster are not read (but see below).
             let guest_start = state.guest_offset().saturating_sub(cluster);
             let guest_end = guest_start.saturating_add(state.remaining()).min(size);
             let from = if (guest_start..guest_end).contains(&filled) {
@@ -337,7 +347,13 @@ impl Core {
             if from >= size {
                 return self.write_cluster(slot);
             }
-            let upto = if from < guest_start {
+            // Up to the guest's part — or through it to the cluster's end when it is small and
+            // old data follows it: one device round trip instead of two (the guest's bytes
+            // are copied over it afterwards), as QEMU's qcow2 merges its two copy-on-write
+            // reads.
+            let read_through_guest =
+                guest_end < size && guest_end.saturating_sub(guest_start) <= MERGED_READ_GAP;
+            let upto = if from < guest_start && !read_through_guest {
                 guest_start
             } else {
                 size
@@ -598,7 +614,7 @@ impl Core {
                     };
                 }
                 let size = self.cluster_writes.cluster as u64;
-                self.reserve_file(allocation.host_offset.saturating_add(size), size);
+                self.extend_file_ahead(allocation.host_offset.saturating_add(size), size);
                 self.counters.count_queued();
                 self.pending.push_back(Token::WriteCluster { slot });
                 Ok(())
@@ -619,11 +635,13 @@ impl Core {
     }
 
     /// Makes the image file (a regular file) reach at least `end` before a cluster write
-    /// there, extending it by [`PREALLOCATE`] past that (rounded to `cluster`) when it does
-    /// not. A failure costs only speed: the write then extends the file itself.
-    fn reserve_file(&mut self, end: u64, cluster: u64) {
+    /// there, extending its size by [`EXTEND_AHEAD`] past that (rounded to `cluster`) when it
+    /// does not. The loop is the only writer that extends the file (every write in flight
+    /// ends below `file_end`), so the size read first is current and this only grows it. A
+    /// failure costs only speed: the write then extends the file itself.
+    fn extend_file_ahead(&mut self, end: u64, cluster: u64) {
         let writes = &mut self.cluster_writes;
-        if end <= writes.file_end || writes.preallocation_failed {
+        if end <= writes.file_end || writes.extension_failed {
             return;
         }
         let Some(file) = self.image.direct() else {
@@ -632,7 +650,7 @@ impl Core {
         match file.metadata() {
             Ok(meta) if meta.file_type().is_file() => writes.file_end = meta.len(),
             _ => {
-                writes.preallocation_failed = true;
+                writes.extension_failed = true;
                 return;
             }
         }
@@ -640,31 +658,20 @@ impl Core {
             return;
         }
         let target = end
-            .saturating_add(PREALLOCATE)
+            .saturating_add(EXTEND_AHEAD)
             .checked_next_multiple_of(cluster.max(1))
             .unwrap_or(end);
-        let (Ok(offset), Ok(len)) = (
-            libc::off_t::try_from(writes.file_end),
-            libc::off_t::try_from(target.saturating_sub(writes.file_end)),
-        ) else {
-            return;
-        };
-        // SAFETY: fallocate on the image's own fd; integer arguments only. Mode 0 allocates
-        // the range and extends the file's size over it; nothing existing changes.
-        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(file), 0, offset, len) };
-        let error = std::io::Error::last_os_error();
-        if rc == 0 {
-            writes.file_end = target;
-        } else if matches!(
-            error.raw_os_error(),
-            Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
-        ) {
-            // The file system cannot (a transient failure, ENOSPC say, is tried again).
-            writes.preallocation_failed = true;
-            warn!(
-                "the image file cannot be extended ahead of its allocations ({error}); cluster \
-                 writes extend it one at a time"
-            );
+        match file.set_len(target) {
+            Ok(()) => writes.file_end = target,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) => {
+                // Refused for good (an append-only file, a size limit): not tried again.
+                writes.extension_failed = true;
+                warn!(
+                    "the image file cannot be extended ahead of its allocations ({error}); \
+                     cluster writes extend it one at a time"
+                );
+            }
         }
     }
 
