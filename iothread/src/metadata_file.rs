@@ -427,6 +427,21 @@ impl MetadataFile {
         &self.barrier.file
     }
 
+    /// Brings imago's idea of the file's size up to the file's own. The iothread's cluster
+    /// writes, and its extension of the file ahead of them (`engine/cluster_write.rs`), grow
+    /// the file behind imago's back; imago keeps a size of its own, skips zeroing or
+    /// discarding what lies past it, and *sets* the file's length to the end of a zeroed range
+    /// past it — which would cut off every cluster written beyond. Asked before each zeroing
+    /// or discard; only the loop changes the file's size, and no cluster write in flight ends
+    /// past it, so the size read stays true until imago has used it.
+    fn follow_file_size(&self) -> io::Result<()> {
+        let meta = self.barrier.file.metadata()?;
+        if meta.file_type().is_file() && meta.len() > self.inner.size()? {
+            self.inner.resize(meta.len(), PreallocateMode::None)?;
+        }
+        Ok(())
+    }
+
     /// Wraps `file` (opened `writable` or not) for imago; for a writable qcow2 image, writes to
     /// its pointer structures are held back until the returned barrier is applied. A read-only
     /// file holds nothing.
@@ -599,6 +614,7 @@ impl Storage for MetadataFile {
     // imago zeroes and discards data clusters only (copy-on-write of a zero cluster,
     // preallocation), never a pointer structure: nothing here is held.
     unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.follow_file_size()?;
         // SAFETY: the caller's guarantees for this call are passed on unchanged.
         unsafe { self.inner.pure_write_zeroes(offset, length) }
     }
@@ -609,6 +625,7 @@ impl Storage for MetadataFile {
     }
 
     unsafe fn pure_discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.follow_file_size()?;
         // SAFETY: the caller's guarantees for this call are passed on unchanged.
         unsafe { self.inner.pure_discard(offset, length) }
     }

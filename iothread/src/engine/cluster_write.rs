@@ -118,8 +118,8 @@ pub(super) struct ClusterWrites {
     direct_refused: bool,
     /// How far the image file is known to reach (extended ahead by [`EXTEND_AHEAD`]).
     file_end: u64,
-    /// Extending the file ahead failed once: not tried again.
-    extension_failed: bool,
+    /// The image is not a regular file (a block device): its size is fixed.
+    not_a_file: bool,
 }
 
 impl ClusterWrites {
@@ -148,7 +148,7 @@ impl ClusterWrites {
             poisoned: Vec::new(),
             direct_refused: false,
             file_end: 0,
-            extension_failed: false,
+            not_a_file: false,
         })
     }
 
@@ -614,7 +614,12 @@ impl Core {
                     };
                 }
                 let size = self.cluster_writes.cluster as u64;
-                self.extend_file_ahead(allocation.host_offset.saturating_add(size), size);
+                if !self.extend_file_ahead(allocation.host_offset.saturating_add(size), size) {
+                    // The write would extend the file itself, behind imago's back (see
+                    // `MetadataFile::follow_file_size`, which counts on no write in flight
+                    // ending past the file): undone, and allocations run in place from now on.
+                    return self.undo_unwritten_cluster(slot, allocation, libc::EIO);
+                }
                 self.counters.count_queued();
                 self.pending.push_back(Token::WriteCluster { slot });
                 Ok(())
@@ -634,43 +639,42 @@ impl Core {
         }
     }
 
-    /// Makes the image file (a regular file) reach at least `end` before a cluster write
-    /// there, extending its size by [`EXTEND_AHEAD`] past that (rounded to `cluster`) when it
-    /// does not. The loop is the only writer that extends the file (every write in flight
-    /// ends below `file_end`), so the size read first is current and this only grows it. A
-    /// failure costs only speed: the write then extends the file itself.
-    fn extend_file_ahead(&mut self, end: u64, cluster: u64) {
+    /// Makes the image file reach at least `end` before a cluster write there, extending its
+    /// size by [`EXTEND_AHEAD`] past that (rounded to `cluster`) when it does not; false if a
+    /// regular file could not be (a block device has its size and is never extended). The
+    /// loop is the only thing that extends the file (no write in flight ends past
+    /// `file_end`), so the size read first is current and this only grows it.
+    fn extend_file_ahead(&mut self, end: u64, cluster: u64) -> bool {
         let writes = &mut self.cluster_writes;
-        if end <= writes.file_end || writes.extension_failed {
-            return;
+        if end <= writes.file_end || writes.not_a_file {
+            return true;
         }
         let Some(file) = self.image.direct() else {
-            return;
+            return false;
         };
         match file.metadata() {
             Ok(meta) if meta.file_type().is_file() => writes.file_end = meta.len(),
-            _ => {
-                writes.extension_failed = true;
-                return;
+            Ok(_) => {
+                writes.not_a_file = true;
+                return true;
             }
+            Err(_) => return false,
         }
         if end <= writes.file_end {
-            return;
+            return true;
         }
         let target = end
             .saturating_add(EXTEND_AHEAD)
             .checked_next_multiple_of(cluster.max(1))
             .unwrap_or(end);
         match file.set_len(target) {
-            Ok(()) => writes.file_end = target,
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(()) => {
+                writes.file_end = target;
+                true
+            }
             Err(error) => {
-                // Refused for good (an append-only file, a size limit): not tried again.
-                writes.extension_failed = true;
-                warn!(
-                    "the image file cannot be extended ahead of its allocations ({error}); \
-                     cluster writes extend it one at a time"
-                );
+                warn!("the image file cannot be extended ahead of its allocations: {error}");
+                false
             }
         }
     }
@@ -707,25 +711,14 @@ impl Core {
                     std::io::Error::from_raw_os_error(errno)
                 );
             }
-            let cluster = allocation.cluster_offset();
-            if let Err(e) = chain.cluster_not_written(&allocation) {
-                warn!(
-                    "slot {slot}: undoing the allocation: {e}; requests into it fail from now on"
-                );
-                let size = self.cluster_writes.cluster as u64;
-                self.cluster_writes
-                    .poisoned
-                    .push(cluster..cluster.saturating_add(size));
-                return self.fail_cluster_write(slot, errno);
-            }
             if errno == libc::EINVAL && result < 0 {
                 // The O_DIRECT fd refuses the alignment: in place from now on.
                 warn!("the image's O_DIRECT fd refused a cluster write; allocating in place");
-                self.cluster_writes.direct_refused = true;
-                self.cluster_writes.end(slot);
-                return self.map_in_place(slot);
+                return self.undo_unwritten_cluster(slot, allocation, errno);
             }
-            return self.fail_cluster_write(slot, errno);
+            return match self.unmap_cluster(slot, allocation) {
+                Ok(()) | Err(()) => self.fail_cluster_write(slot, errno),
+            };
         }
         chain.cluster_written(&allocation);
         self.cluster_writes.end(slot);
@@ -739,6 +732,42 @@ impl Core {
             .ok_or(EngineError::BadSlot { slot, count })?;
         let step = state.on_transfer(i32::try_from(guest_bytes).unwrap_or(-libc::EIO));
         self.apply(slot, step)
+    }
+
+    /// Unmaps the slot's allocated cluster, whose data did not reach it, in imago's caches
+    /// again; `Err` if that failed too, and requests into the cluster fail from then on.
+    fn unmap_cluster(&mut self, slot: u32, allocation: ClusterAllocation) -> Result<(), ()> {
+        let cluster = allocation.cluster_offset();
+        let undone = match self.image.qcow2_chain_mut() {
+            Some(chain) => chain.cluster_not_written(&allocation),
+            None => Err(std::io::Error::from_raw_os_error(libc::EBADF)),
+        };
+        if let Err(e) = undone {
+            warn!("slot {slot}: undoing the allocation: {e}; requests into it fail from now on");
+            let size = self.cluster_writes.cluster as u64;
+            self.cluster_writes
+                .poisoned
+                .push(cluster..cluster.saturating_add(size));
+            return Err(());
+        }
+        Ok(())
+    }
+
+    /// Undoes the slot's cluster write that cannot go through the O_DIRECT fd, and runs the
+    /// write in place instead — as every allocation from now on (or fails it with `errno` if
+    /// the undo failed).
+    fn undo_unwritten_cluster(
+        &mut self,
+        slot: u32,
+        allocation: ClusterAllocation,
+        errno: i32,
+    ) -> Result<(), EngineError> {
+        if self.unmap_cluster(slot, allocation).is_err() {
+            return self.fail_cluster_write(slot, errno);
+        }
+        self.cluster_writes.direct_refused = true;
+        self.cluster_writes.end(slot);
+        self.map_in_place(slot)
     }
 
     /// Fails the slot's request with `errno` and ends its cluster write.
