@@ -40,6 +40,7 @@ use std::fmt;
 use std::fs::File;
 use std::io;
 use std::ops::Range;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -370,6 +371,50 @@ impl fmt::Display for MetadataFile {
     }
 }
 
+/// Makes the `length` bytes at `offset` of `file` (a regular file `file_len` bytes long) read as
+/// zeros, as imago's own write-zeroes does: a hole punched in what lies inside the file, the
+/// file grown over the rest (never shrunk). `Unsupported` where holes cannot be punched:
+/// imago then writes zeros itself.
+fn zero_file_range(file: &File, file_len: u64, offset: u64, length: u64) -> io::Result<()> {
+    let end = offset
+        .checked_add(length)
+        .ok_or_else(|| io::Error::other("write-zeroes range wraps around"))?;
+    let inside = end.min(file_len).saturating_sub(offset);
+    if inside > 0 {
+        let (Ok(at), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(inside))
+        else {
+            return Err(io::Error::other("write-zeroes range beyond off_t"));
+        };
+        loop {
+            // SAFETY: fallocate on the file's own fd; integer arguments only. It deallocates
+            // the range, keeping the file's size: the range reads as zeros.
+            let rc = unsafe {
+                libc::fallocate(
+                    file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    at,
+                    len,
+                )
+            };
+            if rc == 0 {
+                break;
+            }
+            let error = io::Error::last_os_error();
+            match error.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EOPNOTSUPP | libc::ENODEV | libc::ENOTTY) => {
+                    return Err(io::Error::new(io::ErrorKind::Unsupported, error));
+                }
+                _ => return Err(error),
+            }
+        }
+    }
+    if end > file_len {
+        file.set_len(end)?;
+    }
+    Ok(())
+}
+
 /// Reads a big-endian integer of `N` bytes at `offset` of `header`.
 fn be<const N: usize>(header: &[u8], offset: usize) -> Option<u64> {
     let bytes: [u8; N] = header
@@ -425,21 +470,6 @@ impl MetadataFile {
     /// The file, for checks of its own before imago opens it.
     pub fn file(&self) -> &File {
         &self.barrier.file
-    }
-
-    /// Brings imago's idea of the file's size up to the file's own. The iothread's cluster
-    /// writes, and its extension of the file ahead of them (`engine/cluster_write.rs`), grow
-    /// the file behind imago's back; imago keeps a size of its own, skips zeroing or
-    /// discarding what lies past it, and *sets* the file's length to the end of a zeroed range
-    /// past it — which would cut off every cluster written beyond. Asked before each zeroing
-    /// or discard; only the loop changes the file's size, and no cluster write in flight ends
-    /// past it, so the size read stays true until imago has used it.
-    fn follow_file_size(&self) -> io::Result<()> {
-        let meta = self.barrier.file.metadata()?;
-        if meta.file_type().is_file() && meta.len() > self.inner.size()? {
-            self.inner.resize(meta.len(), PreallocateMode::None)?;
-        }
-        Ok(())
     }
 
     /// Wraps `file` (opened `writable` or not) for imago; for a writable qcow2 image, writes to
@@ -613,10 +643,24 @@ impl Storage for MetadataFile {
 
     // imago zeroes and discards data clusters only (copy-on-write of a zero cluster,
     // preallocation), never a pointer structure: nothing here is held.
+    //
+    // A regular file is zeroed here against its own size, not imago's: the iothread's cluster
+    // writes, its extension of the file ahead of them (`engine/cluster_write.rs`) and its
+    // in-place data writes grow the file behind imago's back, and imago, which keeps a size
+    // of its own, skips zeroing past that size and then *sets* the file's length to the end
+    // of the range — which cut off every cluster written beyond (a freed cluster allocated
+    // again in place; `tests/tests/qcow2.rs`). No write in flight ends past the file, so the
+    // size read here stays true. (imago's `resize` could follow the size instead, but is an
+    // ftruncate to the same size: a journal transaction and dropped block preallocations on
+    // ext4, a wait for every O_DIRECT write in flight on XFS.)
     unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.follow_file_size()?;
-        // SAFETY: the caller's guarantees for this call are passed on unchanged.
-        unsafe { self.inner.pure_write_zeroes(offset, length) }
+        let meta = self.barrier.file.metadata()?;
+        if !meta.file_type().is_file() {
+            // A block device: its size never changes, so imago's is true.
+            // SAFETY: the caller's guarantees for this call are passed on unchanged.
+            return unsafe { self.inner.pure_write_zeroes(offset, length) };
+        }
+        zero_file_range(&self.barrier.file, meta.len(), offset, length)
     }
 
     unsafe fn pure_write_allocated_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
@@ -624,8 +668,9 @@ impl Storage for MetadataFile {
         unsafe { self.inner.pure_write_allocated_zeroes(offset, length) }
     }
 
+    // imago's qcow2 code (0.2.6) discards no data through its storage; were it to, a range
+    // past imago's stale size would only stay allocated (it never changes the file's size).
     unsafe fn pure_discard(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.follow_file_size()?;
         // SAFETY: the caller's guarantees for this call are passed on unchanged.
         unsafe { self.inner.pure_discard(offset, length) }
     }
@@ -928,6 +973,36 @@ mod tests {
         let short = crate::memory::tests::memfd(0);
         short.write_all_at(&on_disk(&image(), 0, 64), 0).unwrap();
         assert!(!header_is_refcounted(&short));
+    }
+
+    #[test]
+    fn zeroing_punches_inside_the_file_and_grows_it_past_its_end_never_shrinking_it() {
+        let dir = std::env::temp_dir().join(format!("bp-zero-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, vec![0xaa_u8; 0x4_0000]).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        // Inside: zeros there, the rest and the size kept.
+        zero_file_range(&file, 0x4_0000, 0x1_0000, 0x1_0000).unwrap();
+        assert_eq!(on_disk(&file, 0x1_0000, 0x1_0000), vec![0; 0x1_0000]);
+        assert_eq!(on_disk(&file, 0, 0x1_0000), vec![0xaa; 0x1_0000]);
+        assert_eq!(on_disk(&file, 0x2_0000, 0x2_0000), vec![0xaa; 0x2_0000]);
+        assert_eq!(file.metadata().unwrap().len(), 0x4_0000);
+        // Across the end: zeros inside, the file grown to the range's end.
+        zero_file_range(&file, 0x4_0000, 0x3_0000, 0x2_0000).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), 0x5_0000);
+        assert_eq!(on_disk(&file, 0x3_0000, 0x2_0000), vec![0; 0x2_0000]);
+        assert_eq!(on_disk(&file, 0x2_0000, 0x1_0000), vec![0xaa; 0x1_0000]);
+        // A range inside the file ends before it: nothing is cut (imago's own zeroing set the
+        // length to the range's end when it thought the file shorter).
+        zero_file_range(&file, 0x5_0000, 0, 0x1_0000).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), 0x5_0000);
+        assert_eq!(on_disk(&file, 0x2_0000, 0x1_0000), vec![0xaa; 0x1_0000]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

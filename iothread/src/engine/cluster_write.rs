@@ -114,7 +114,8 @@ pub(super) struct ClusterWrites {
     /// cluster without their data, so every request that meets one fails (the image is
     /// read-only from then on; the file keeps the old mapping).
     poisoned: Vec<Range<u64>>,
-    /// The O_DIRECT fd refused a cluster write's alignment: allocations run in place.
+    /// The O_DIRECT fd refused a cluster write's alignment, or the image file could not be
+    /// extended ahead of one: allocations run in place from then on.
     direct_refused: bool,
     /// How far the image file is known to reach (extended ahead by [`EXTEND_AHEAD`]).
     file_end: u64,
@@ -615,9 +616,10 @@ impl Core {
                 }
                 let size = self.cluster_writes.cluster as u64;
                 if !self.extend_file_ahead(allocation.host_offset.saturating_add(size), size) {
-                    // The write would extend the file itself, behind imago's back (see
-                    // `MetadataFile::follow_file_size`, which counts on no write in flight
-                    // ending past the file): undone, and allocations run in place from now on.
+                    // The write would extend the file itself while in flight, and the metadata
+                    // file's zeroing counts on no write in flight ending past the file
+                    // (`MetadataFile::pure_write_zeroes`): undone, and allocations run in place
+                    // from now on.
                     return self.undo_unwritten_cluster(slot, allocation, libc::EIO);
                 }
                 self.counters.count_queued();
@@ -658,7 +660,10 @@ impl Core {
                 writes.not_a_file = true;
                 return true;
             }
-            Err(_) => return false,
+            Err(error) => {
+                warn!("the image file's size cannot be read: {error}");
+                return false;
+            }
         }
         if end <= writes.file_end {
             return true;
