@@ -40,7 +40,7 @@ use std::fmt;
 use std::fs::File;
 use std::io;
 use std::ops::Range;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -371,43 +371,42 @@ impl fmt::Display for MetadataFile {
     }
 }
 
+/// Zeroes `len` bytes at `offset` of `fd`'s file, keeping its size: a hole where the file
+/// system makes one, else zeroed blocks.
+pub(crate) fn zero_range(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    for mode in [
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+    ] {
+        // SAFETY: fallocate on an fd the caller holds open; integer arguments only.
+        if unsafe { libc::fallocate(fd, mode, offset, len) } == 0 {
+            return Ok(());
+        }
+    }
+    Err(io::Error::last_os_error())
+}
+
 /// Makes the `length` bytes at `offset` of `file` (a regular file `file_len` bytes long) read as
 /// zeros, as imago's own write-zeroes does: a hole punched in what lies inside the file, the
-/// file grown over the rest (never shrunk). `Unsupported` where holes cannot be punched:
-/// imago then writes zeros itself.
+/// file grown over the rest (never shrunk). `Unsupported` where the file system can neither
+/// punch nor zero a range: imago then writes zeros itself.
 fn zero_file_range(file: &File, file_len: u64, offset: u64, length: u64) -> io::Result<()> {
     let end = offset
         .checked_add(length)
         .ok_or_else(|| io::Error::other("write-zeroes range wraps around"))?;
     let inside = end.min(file_len).saturating_sub(offset);
     if inside > 0 {
-        let (Ok(at), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(inside))
-        else {
-            return Err(io::Error::other("write-zeroes range beyond off_t"));
-        };
-        loop {
-            // SAFETY: fallocate on the file's own fd; integer arguments only. It deallocates
-            // the range, keeping the file's size: the range reads as zeros.
-            let rc = unsafe {
-                libc::fallocate(
-                    file.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    at,
-                    len,
-                )
-            };
-            if rc == 0 {
-                break;
-            }
-            let error = io::Error::last_os_error();
+        zero_range(file.as_raw_fd(), offset, inside).map_err(|error| {
             match error.raw_os_error() {
-                Some(libc::EINTR) => continue,
                 Some(libc::EOPNOTSUPP | libc::ENODEV | libc::ENOTTY) => {
-                    return Err(io::Error::new(io::ErrorKind::Unsupported, error));
+                    io::Error::new(io::ErrorKind::Unsupported, error)
                 }
-                _ => return Err(error),
+                _ => error,
             }
-        }
+        })?;
     }
     if end > file_len {
         file.set_len(end)?;

@@ -33,7 +33,7 @@ use imago::raw::Raw;
 use imago::{FormatAccess, Mapping, ShallowMapping};
 use log::{error, info};
 
-use crate::metadata_file::{Barrier, MetadataFile};
+use crate::metadata_file::{zero_range, Barrier, MetadataFile};
 
 /// The storage type of every layer.
 type ImagoFile = MetadataFile;
@@ -226,24 +226,6 @@ fn has_raw_external_data(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
     let mut field = [0u8; 8];
     file.read_exact_at(&mut field, 88).is_ok() && u64::from_be_bytes(field) & 0b10 != 0
-}
-
-/// Zeroes `len` bytes at `offset` of a raw data file: a hole where the file system makes one,
-/// else zeroed blocks.
-fn zero_raw_range(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
-    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-        return Err(io::Error::from_raw_os_error(libc::EINVAL));
-    };
-    for mode in [
-        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-    ] {
-        // SAFETY: fallocate on an fd of the chain; integer arguments only.
-        if unsafe { libc::fallocate(fd, mode, offset, len) } == 0 {
-            return Ok(());
-        }
-    }
-    Err(io::Error::last_os_error())
 }
 
 /// Whether `file` was opened for writing.
@@ -761,7 +743,7 @@ impl Qcow2Image {
             false
         };
         if let Some(fd) = self.raw_data_file {
-            zero_raw_range(fd, offset, len)?;
+            zero_range(fd, offset, len)?;
         }
         if !deallocated {
             match self.top.write_zeroes(offset, len) {
@@ -818,7 +800,7 @@ impl Qcow2Image {
         }
         // The whole clusters became zero clusters: the raw data file reads so too.
         if let Some(fd) = self.raw_data_file {
-            zero_raw_range(fd, offset, len)?;
+            zero_range(fd, offset, len)?;
         }
         self.write_back()
     }

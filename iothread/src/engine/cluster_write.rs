@@ -721,9 +721,8 @@ impl Core {
                 warn!("the image's O_DIRECT fd refused a cluster write; allocating in place");
                 return self.undo_unwritten_cluster(slot, allocation, errno);
             }
-            return match self.unmap_cluster(slot, allocation) {
-                Ok(()) | Err(()) => self.fail_cluster_write(slot, errno),
-            };
+            self.unmap_cluster(slot, allocation);
+            return self.fail_cluster_write(slot, errno);
         }
         chain.cluster_written(&allocation);
         self.cluster_writes.end(slot);
@@ -740,8 +739,8 @@ impl Core {
     }
 
     /// Unmaps the slot's allocated cluster, whose data did not reach it, in imago's caches
-    /// again; `Err` if that failed too, and requests into the cluster fail from then on.
-    fn unmap_cluster(&mut self, slot: u32, allocation: ClusterAllocation) -> Result<(), ()> {
+    /// again; false if that failed too, and requests into the cluster fail from then on.
+    fn unmap_cluster(&mut self, slot: u32, allocation: ClusterAllocation) -> bool {
         let cluster = allocation.cluster_offset();
         let undone = match self.image.qcow2_chain_mut() {
             Some(chain) => chain.cluster_not_written(&allocation),
@@ -753,9 +752,9 @@ impl Core {
             self.cluster_writes
                 .poisoned
                 .push(cluster..cluster.saturating_add(size));
-            return Err(());
+            return false;
         }
-        Ok(())
+        true
     }
 
     /// Undoes the slot's cluster write that cannot go through the O_DIRECT fd, and runs the
@@ -767,7 +766,7 @@ impl Core {
         allocation: ClusterAllocation,
         errno: i32,
     ) -> Result<(), EngineError> {
-        if self.unmap_cluster(slot, allocation).is_err() {
+        if !self.unmap_cluster(slot, allocation) {
             return self.fail_cluster_write(slot, errno);
         }
         self.cluster_writes.direct_refused = true;
