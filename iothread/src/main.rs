@@ -23,7 +23,7 @@ use blkplane_proto::control::{
 };
 use blkplane_proto::ring::{RingError, SharedRing};
 use clap::Parser;
-use log::{error, info};
+use log::{error, info, warn};
 
 use blkplane_iothread::engine::{Engine, EngineError, Exit};
 use blkplane_iothread::image::{Image, ImageError};
@@ -140,6 +140,7 @@ fn main() -> ExitCode {
         error!("{e}");
         return ExitCode::FAILURE;
     }
+    ignore_file_size_signal();
     let args = Args::parse();
     match run(&args) {
         Ok(Exit::Shutdown) => {
@@ -154,6 +155,17 @@ fn main() -> ExitCode {
             error!("{e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Has a write that meets a file-size limit (`RLIMIT_FSIZE`: systemd's `LimitFSIZE`, a
+/// container's ulimit) fail with `EFBIG` — IOERR for that request — instead of killing the
+/// iothread with `SIGXFSZ`: the frontend would resubmit the request to the next iothread, which
+/// the same limit kills again, and every other request of the disk would wait through it.
+fn ignore_file_size_signal() {
+    // SAFETY: SIG_IGN installs no handler; nothing runs on the signal.
+    if unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) } == libc::SIG_ERR {
+        warn!("SIGXFSZ cannot be ignored: {}", io::Error::last_os_error());
     }
 }
 

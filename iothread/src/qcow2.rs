@@ -22,6 +22,7 @@
 //! frontend resubmits it) or the new one with its data; at worst a cluster is leaked, which
 //! `qemu-img check` reports as a leak, not as corruption.
 
+use std::cell::Cell;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -189,6 +190,100 @@ struct Layer {
     /// A file of the image itself (its own file or its external data file), which writes
     /// may go to; backing files are only read.
     top: bool,
+    /// Where the layer's data clusters may lie.
+    bound: ClusterBound,
+    /// Below this host offset every cluster is known to start inside the file (the end of its
+    /// last cluster when last looked; 0 before that, or for an external data file, which the
+    /// disk's size bounds; `u64::MAX` where nothing is checked, or the file is not a regular
+    /// one, whose size never changes under a mapping).
+    cluster_limit: Cell<u64>,
+}
+
+/// Where a layer's data clusters may lie: what a mapping into the layer is checked against, so
+/// that a corrupt L2 entry fails the request that meets it instead of sending a write to
+/// wherever it points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClusterBound {
+    /// Wherever the guest's offset is (a raw backing file: a read past its end comes back
+    /// short and fails).
+    Unchecked,
+    /// In clusters of `1 << cluster_bits` bytes that start inside the file: a qcow2 file's own
+    /// clusters (its last one may be written only in part, as QEMU's `qemu-img check`
+    /// accepts).
+    InsideFile {
+        /// log2 of the layer's cluster size.
+        cluster_bits: u32,
+    },
+    /// Below the disk's virtual size: an external data file, where every cluster sits at its
+    /// guest offset.
+    InsideDisk,
+}
+
+impl Layer {
+    /// How many bytes from `host_offset` on lie in clusters the layer may hold data in (0:
+    /// none). A file only grows while served, so only an offset past what was last seen
+    /// looks again (one `statx`); the disk's size bounds an external data file's clusters
+    /// (see [`ClusterBound`]).
+    fn servable(&self, host_offset: u64, disk_size: impl FnOnce() -> u64) -> io::Result<u64> {
+        let limit = self.cluster_limit.get();
+        if host_offset < limit {
+            return Ok(limit.saturating_sub(host_offset));
+        }
+        match self.bound {
+            ClusterBound::Unchecked => Ok(u64::MAX),
+            ClusterBound::InsideDisk => Ok(disk_size().saturating_sub(host_offset)),
+            ClusterBound::InsideFile { cluster_bits } => {
+                self.cluster_limit
+                    .set(clusters_end(file_end(self.fd)?, cluster_bits));
+                Ok(self.cluster_limit.get().saturating_sub(host_offset))
+            }
+        }
+    }
+
+    /// Records that the file reaches at least `end` (a write that ended there succeeded).
+    fn reached(&self, end: u64) {
+        if let ClusterBound::InsideFile { cluster_bits } = self.bound {
+            let limit = clusters_end(end, cluster_bits);
+            if limit > self.cluster_limit.get() {
+                self.cluster_limit.set(limit);
+            }
+        }
+    }
+}
+
+/// The end of the last cluster of `1 << cluster_bits` bytes that starts before `end`.
+fn clusters_end(end: u64, cluster_bits: u32) -> u64 {
+    let mask = (1u64 << cluster_bits.min(63)).saturating_sub(1);
+    end.checked_add(mask).map_or(u64::MAX, |e| e & !mask)
+}
+
+/// The size of the file `fd` is open on; `u64::MAX` for anything but a regular file (a block
+/// device's size never changes under a mapping). Only the type and size are asked for, and
+/// without a sync with a network file system's server: NFS writes a file's dirty pages back
+/// before it answers for its times.
+fn file_end(fd: RawFd) -> io::Result<u64> {
+    // SAFETY: `libc::statx` is plain integers, for which all zeros is a valid value.
+    let mut stat: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx writes only the buffer handed to it, which is ours and of its type; the
+    // empty path with AT_EMPTY_PATH names `fd` itself, which the chain keeps open.
+    let rc = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_TYPE | libc::STATX_SIZE,
+            &mut stat,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let regular = u32::from(stat.stx_mode) & libc::S_IFMT == libc::S_IFREG;
+    Ok(if regular && stat.stx_mask & libc::STATX_SIZE != 0 {
+        stat.stx_size
+    } else {
+        u64::MAX
+    })
 }
 
 /// A qcow2 image with its backing chain, opened on fds the frontend sent.
@@ -281,6 +376,10 @@ impl Qcow2Image {
             let (storage, barrier) =
                 MetadataFile::open(file, layer_writable, format == LayerFormat::Qcow2)
                     .map_err(open_error)?;
+            // imago opens the header after this: a size it refuses never maps anything.
+            let qcow2_cluster_bits = (format == LayerFormat::Qcow2)
+                .then(|| crate::metadata_file::cluster_bits(storage.file()))
+                .flatten();
             if layer == 0 {
                 top_barrier = Some(barrier);
             }
@@ -359,11 +458,29 @@ impl Qcow2Image {
                     problem: "does not have the files it was handed",
                 });
             }
-            let group = new.into_iter().zip(fds).map(|(storage, fd)| Layer {
-                storage,
-                fd,
-                top: layer == 0,
-            });
+            let group = new
+                .into_iter()
+                .zip(fds)
+                .enumerate()
+                .map(|(index, (storage, fd))| {
+                    let bound = match (format, index, qcow2_cluster_bits) {
+                        (LayerFormat::Qcow2, 0, Some(cluster_bits)) => {
+                            ClusterBound::InsideFile { cluster_bits }
+                        }
+                        // imago refuses a header without a cluster size it allows.
+                        (LayerFormat::Qcow2, 0, None) => ClusterBound::Unchecked,
+                        (LayerFormat::Qcow2, _, _) => ClusterBound::InsideDisk,
+                        (LayerFormat::Raw, _, _) => ClusterBound::Unchecked,
+                    };
+                    let unchecked = bound == ClusterBound::Unchecked;
+                    Layer {
+                        storage,
+                        fd,
+                        top: layer == 0,
+                        bound,
+                        cluster_limit: Cell::new(if unchecked { u64::MAX } else { 0 }),
+                    }
+                });
             layers.splice(0..0, group);
             below = Some(access);
         }
@@ -421,7 +538,11 @@ impl Qcow2Image {
 
     /// Where the `max_len` bytes from guest offset `offset` are, as far as contiguous (at most
     /// `max_len`). An `L2` cache hit makes no system call. Past the end of the image: `EINVAL`
-    /// (the request parser keeps requests inside it).
+    /// (the request parser keeps requests inside it). A data cluster a qcow2 file maps past its
+    /// own end (a corrupt or truncated image), or an external data file past the disk's size,
+    /// is an error of the image (`InvalidData`), for a write as for a read: a write there
+    /// would grow the file to wherever the entry points; an extent stops at the last cluster
+    /// that does not. So a cluster allocated ahead maps only once the file reaches it.
     pub fn map(&self, offset: u64, max_len: u64) -> io::Result<Extent> {
         let (mapping, len) = self.top.get_mapping(offset, max_len)?;
         let len = len.min(max_len);
@@ -433,18 +554,34 @@ impl Qcow2Image {
                 ..
             } => {
                 let ptr: *const ImagoFile = storage;
-                let layer = self
+                let (layer, file) = self
                     .layers
                     .iter()
-                    .position(|l| std::ptr::eq(l.storage, ptr))
+                    .enumerate()
+                    .find(|(_, l)| std::ptr::eq(l.storage, ptr))
                     .ok_or_else(|| io::Error::other("mapping into a file outside the chain"))?;
+                let servable = file.servable(host_offset, || self.top.size())?;
+                if servable == 0 {
+                    let end = match file.bound {
+                        ClusterBound::InsideDisk => format!("the disk's size, {}", self.top.size()),
+                        _ => format!(
+                            "the file's end (its clusters end at {})",
+                            file.cluster_limit.get()
+                        ),
+                    };
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "layer {layer} maps guest offset {offset} to byte {host_offset} of \
+                             its file, in a cluster past {end}: a corrupt L2 entry"
+                        ),
+                    ));
+                }
                 Extent::Data {
                     layer,
                     host_offset,
-                    len,
-                    writable: writable
-                        && self.writable
-                        && self.layers.get(layer).is_some_and(|l| l.top),
+                    len: len.min(servable),
+                    writable: writable && self.writable && file.top,
                 }
             }
             Mapping::Zero { .. } => Extent::Zero { len },
@@ -521,6 +658,9 @@ impl Qcow2Image {
         // Dropping `allocation` on an error releases the prepared cluster: the old mapping
         // stays.
         write(fd, allocation.host_offset, allocation.len)?;
+        if let Some(file) = self.layers.get(allocation.layer) {
+            file.reached(allocation.host_offset.saturating_add(allocation.len));
+        }
         let len = allocation.len;
         self.commit_allocation(allocation)?;
         Ok(len)
@@ -988,6 +1128,19 @@ mod tests {
         let kept = image.allocate_cluster_ahead(CLUSTER).unwrap().unwrap();
         let undone = image.allocate_cluster_ahead(3 * MIB).unwrap().unwrap();
         assert_eq!(kept.cluster_offset(), CLUSTER);
+        // The engine extends the file ahead of the clusters before anything can map them
+        // (a mapping past the file's end is a corrupt entry).
+        let end = kept.host_offset.max(undone.host_offset) + CLUSTER;
+        assert!(
+            image.map(CLUSTER, 4096).is_err(),
+            "a cluster past the file's end mapped"
+        );
+        File::options()
+            .write(true)
+            .open(&top)
+            .unwrap()
+            .set_len(end)
+            .unwrap();
         // Mapped already: a write there goes straight to the new cluster.
         let Extent::Data {
             layer: 0,
@@ -1032,6 +1185,58 @@ mod tests {
         assert_eq!(from_file(3 * MIB), 1);
         let (code, out) = qemu_img(&["check", path(&top)]);
         assert_eq!(code, 0, "{out}");
+    }
+
+    /// A mapping into the image's own file stops at the last cluster that starts inside it:
+    /// a cluster only partly inside (a last cluster written short) is served, one wholly past
+    /// the end (a corrupt entry, a truncated image) is an error for reads and writes alike.
+    #[test]
+    fn mappings_stop_at_the_last_cluster_that_starts_inside_the_file() {
+        let dir = Dir::new("past-end");
+        let (base, top) = overlay_on_pattern(&dir.0, 8 * MIB, CLUSTER);
+        let image = open(&top, &base);
+        let written = image
+            .allocating_write(0, 4 * CLUSTER, |fd, host, len| {
+                pwrite(fd, host, &vec![0x5a; len as usize])
+            })
+            .unwrap();
+        assert_eq!(written, 4 * CLUSTER, "four clusters in one allocation");
+        let Extent::Data {
+            layer: 0,
+            host_offset: first,
+            len,
+            ..
+        } = image.map(0, 4 * CLUSTER).unwrap()
+        else {
+            panic!("not mapped");
+        };
+        assert_eq!(len, 4 * CLUSTER, "the clusters are contiguous in the file");
+        drop(image);
+        // The third cluster cut in half, the fourth gone.
+        let cut = first + 2 * CLUSTER + CLUSTER / 2;
+        File::options()
+            .write(true)
+            .open(&top)
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        let image = open(&top, &base);
+        let Extent::Data { len, .. } = image.map(0, 4 * CLUSTER).unwrap() else {
+            panic!("not mapped");
+        };
+        assert_eq!(
+            len,
+            3 * CLUSTER,
+            "the extent runs on past the last cluster inside"
+        );
+        let partial = image.map(2 * CLUSTER + CLUSTER / 2 + 512, 512).unwrap();
+        assert!(
+            matches!(partial, Extent::Data { host_offset, .. } if host_offset >= cut),
+            "the part of the cut cluster past the end is not served: {partial:?}"
+        );
+        let error = image.map(3 * CLUSTER, 4096).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{error}");
+        assert!(error.to_string().contains("a corrupt L2 entry"), "{error}");
     }
 
     /// Allocations prepared in different L2 tables stay open together while their data is

@@ -5,7 +5,7 @@
 //! writes into a raw mirror, then `qemu-img check` must find no corruption and `qemu-img
 //! compare` no difference between the qcow2 image's guest view and the mirror.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use blkplane_tests::client::errno_name;
@@ -54,7 +54,21 @@ struct Mirrored<'a> {
     discard_zeroes: bool,
 }
 
-impl Mirrored<'_> {
+impl<'a> Mirrored<'a> {
+    /// `queue`'s writes mirrored into the raw file `mirror`.
+    fn new(queue: &'a mut IoQueue, mirror: &Path, discard_zeroes: bool) -> Self {
+        let mirror = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(mirror)
+            .unwrap();
+        Self {
+            queue,
+            mirror,
+            discard_zeroes,
+        }
+    }
+
     fn write(&mut self, offset: u64, data: &[u8]) {
         use std::os::unix::fs::FileExt;
         ok(
@@ -115,16 +129,7 @@ fn read_file_at_mirror(file: &std::fs::File, offset: u64, len: usize) -> Vec<u8>
 /// boundaries, a large write over many clusters; zeroes and discards of whole and partial
 /// clusters; every piece read back against the mirror, and the whole disk at the end.
 fn exercise(queue: &mut IoQueue, mirror: &Path, cluster: u64, seed: u64, discard_zeroes: bool) {
-    let mirror = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(mirror)
-        .unwrap();
-    let mut m = Mirrored {
-        queue,
-        mirror,
-        discard_zeroes,
-    };
+    let mut m = Mirrored::new(queue, mirror, discard_zeroes);
     let mut rng = Rng::new(seed);
     let at = |n: u64| (n * cluster + 3 * MIB).min(DISK - 4 * MIB);
     m.write(at(0), &pattern(seed, 4096));
@@ -445,73 +450,117 @@ fn a_raw_image_with_qcow2_magic_is_served_raw_only_when_told() {
 }
 
 /// An image whose metadata breaks only where a request meets it: an L2 entry that points far
-/// past the end of the file. The request that reads through it fails with IOERR; the rest of
-/// the disk reads and writes as before, and the frontend and its iothread stay up.
+/// past the end of the file (or, with an external data file, past the disk). The requests that
+/// read or write through it fail with IOERR, naming the entry in the log, and the file keeps
+/// its size; the rest of the disk reads and writes as before, and the frontend and its
+/// iothread stay up.
 #[test]
 fn a_broken_l2_entry_fails_only_the_request_that_meets_it() {
     use std::os::unix::fs::FileExt;
     let dir = TempDir::new("qcow2l2");
-    let image = create_qcow2(&dir.join("broken.qcow2"), "cluster_size=65536", DISK);
-    run_tool(
-        Command::new("qemu-io").args([
-            "-f",
-            "qcow2",
-            "-c",
-            "write -P 0x11 0 128k",
-            image.to_str().unwrap(),
-        ]),
-        "qemu-io write",
-    );
-    // Header: the L1 table's offset at byte 40; L1[0] names the first L2 table (bits 9..=55).
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&image)
-        .unwrap();
-    let be64 = |at: u64| {
-        let mut b = [0u8; 8];
-        file.read_exact_at(&mut b, at).unwrap();
-        u64::from_be_bytes(b)
-    };
-    let offsets = 0x00ff_ffff_ffff_fe00u64;
-    let l2 = be64(be64(40)) & offsets;
-    assert_ne!(l2, 0, "qemu-io allocated no L2 table");
-    // The second cluster's entry: "copied" (bit 63) and 1 TiB into a file of a few hundred KiB.
-    file.write_all_at(&((1u64 << 63) | (1u64 << 40)).to_be_bytes(), l2 + 8)
-        .unwrap();
-    drop(file);
+    let data_file = dir.join("broken.data");
+    for (name, options, data_path, past) in [
+        (
+            "own file",
+            "cluster_size=65536".to_string(),
+            None,
+            "the file's end",
+        ),
+        (
+            "external data file",
+            format!("cluster_size=65536,data_file={}", data_file.display()),
+            Some(&data_file),
+            "the disk's size",
+        ),
+    ] {
+        let image = create_qcow2(&dir.join("broken.qcow2"), &options, DISK);
+        run_tool(
+            Command::new("qemu-io").args([
+                "-f",
+                "qcow2",
+                "-c",
+                "write -P 0x11 0 128k",
+                image.to_str().unwrap(),
+            ]),
+            "qemu-io write",
+        );
+        // Header: the L1 table's offset at byte 40; L1[0] names the first L2 table (bits
+        // 9..=55).
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&image)
+            .unwrap();
+        let be64 = |at: u64| {
+            let mut b = [0u8; 8];
+            file.read_exact_at(&mut b, at).unwrap();
+            u64::from_be_bytes(b)
+        };
+        let offsets = 0x00ff_ffff_ffff_fe00u64;
+        let l2 = be64(be64(40)) & offsets;
+        assert_ne!(l2, 0, "{name}: qemu-io allocated no L2 table");
+        // The second cluster's entry: "copied" (bit 63) and 1 TiB into a file of a few hundred
+        // KiB (a data file of the disk's size).
+        file.write_all_at(&((1u64 << 63) | (1u64 << 40)).to_be_bytes(), l2 + 8)
+            .unwrap();
+        drop(file);
+        let data_path = data_path.unwrap_or(&image);
 
-    let mut fe = Frontend::start(&image, &[]);
-    let iothreads = fe.iothread_pids();
-    let mut c = Client::connect(fe.socket()).unwrap();
-    let q = c.queue(0);
-    assert_same_data(
-        "the intact first cluster",
-        &ok("read", q.read_at(0, 65536)),
-        &vec![0x11; 65536],
-    );
-    let err = q
-        .read_at(65536, 4096)
-        .expect_err("a read through the broken entry succeeded");
-    assert_eq!(err, libc::EIO, "{}", errno_name(err));
-    // The disk goes on: other clusters read and write, the first one still reads.
-    let data = pattern(77, 8192);
-    ok("write elsewhere", q.write_at(4 * MIB, &data));
-    assert_same_data(
-        "written elsewhere",
-        &ok("read", q.read_at(4 * MIB, 8192)),
-        &data,
-    );
-    assert_same_data(
-        "the first cluster again",
-        &ok("read", q.read_at(0, 4096)),
-        &vec![0x11; 4096],
-    );
-    drop(c);
-    fe.assert_running("a request through a broken L2 entry");
-    assert_eq!(fe.iothread_pids(), iothreads, "the iothread was replaced");
-    fe.finish();
-    println!("an L2 entry 1 TiB past the end: that read fails with EIO, the disk serves on");
+        let mut fe = Frontend::start(&image, &[]);
+        let iothreads = fe.iothread_pids();
+        let mut c = Client::connect(fe.socket()).unwrap();
+        let q = c.queue(0);
+        assert_same_data(
+            &format!("{name}: the intact first cluster"),
+            &ok("read", q.read_at(0, 65536)),
+            &vec![0x11; 65536],
+        );
+        let err = q
+            .read_at(65536, 4096)
+            .expect_err("a read through the broken entry succeeded");
+        assert_eq!(err, libc::EIO, "{name}: {}", errno_name(err));
+        // A write through it fails too, rather than grow the file to 1 TiB.
+        let size = std::fs::metadata(data_path).unwrap().len();
+        let err = q
+            .write_at(65536 + 4096, &pattern(5, 4096))
+            .expect_err("a write through the broken entry succeeded");
+        assert_eq!(err, libc::EIO, "{name}: {}", errno_name(err));
+        assert_eq!(
+            std::fs::metadata(data_path).unwrap().len(),
+            size,
+            "{name}: the write through the broken entry grew the file"
+        );
+        // The disk goes on: other clusters read and write, the first one still reads.
+        let data = pattern(77, 8192);
+        ok("write elsewhere", q.write_at(4 * MIB, &data));
+        assert_same_data(
+            &format!("{name}: written elsewhere"),
+            &ok("read", q.read_at(4 * MIB, 8192)),
+            &data,
+        );
+        assert_same_data(
+            &format!("{name}: the first cluster again"),
+            &ok("read", q.read_at(0, 4096)),
+            &vec![0x11; 4096],
+        );
+        drop(c);
+        fe.assert_running("a request through a broken L2 entry");
+        assert_eq!(
+            fe.iothread_pids(),
+            iothreads,
+            "{name}: the iothread was replaced"
+        );
+        let log = fe.stderr();
+        assert!(
+            log.contains(&format!(
+                "to byte {} of its file, in a cluster past {past}",
+                1u64 << 40
+            )),
+            "{name}: no log line names the broken entry:\n{log}"
+        );
+        fe.finish();
+        println!("{name}: an L2 entry 1 TiB past {past}: a read and a write through it fail with EIO (the file keeps its size), the disk serves on");
+    }
 }
 
 /// A guest that discards a range while its own write into that range is still at the device
@@ -724,21 +773,17 @@ fn allocating_writes_in_flight_together_keep_their_data() {
     }
 }
 
-/// A thin clone's clusters written through O_DIRECT grow the file behind imago's back (and the
-/// file is extended ahead of them, as a hole): a cluster freed by a discard and handed out again
-/// to an in-place allocation, whose zero fill imago runs past the size it knows, must neither
-/// cut off the clusters beyond it nor keep its old data where the guest sees zeros.
-#[test]
-fn a_freed_cluster_allocated_again_in_place_keeps_the_clusters_beyond() {
-    const CLUSTER: u64 = 64 * KIB;
-    let dir = TempDir::new("qcow2-freed");
-    let base = create_random_image(&dir.join("base.raw"), DISK, 9);
+/// A thin clone with 64 KiB clusters of a random raw base in `dir`, and a raw copy of the base
+/// to mirror its writes in; `None` (saying why) where the directory refuses O_DIRECT, so that
+/// no cluster would be written through it.
+fn thin_clone_on_disk(dir: &TempDir, seed: u64) -> Option<(PathBuf, PathBuf)> {
+    let base = create_random_image(&dir.join("base.raw"), DISK, seed);
     if !supports_o_direct(&base) {
         println!(
             "skipped: {} refuses O_DIRECT, so no cluster is written through it",
             dir.path().display()
         );
-        return;
+        return None;
     }
     let image = create_overlay(
         &dir.join("clone.qcow2"),
@@ -748,18 +793,23 @@ fn a_freed_cluster_allocated_again_in_place_keeps_the_clusters_beyond() {
     );
     let mirror = dir.join("mirror.raw");
     std::fs::copy(&base, &mirror).unwrap();
+    Some((image, mirror))
+}
+
+/// A thin clone's clusters written through O_DIRECT grow the file behind imago's back (and the
+/// file is extended ahead of them, as a hole): a cluster freed by a discard and handed out again
+/// to an in-place allocation, whose zero fill imago runs past the size it knows, must neither
+/// cut off the clusters beyond it nor keep its old data where the guest sees zeros.
+#[test]
+fn a_freed_cluster_allocated_again_in_place_keeps_the_clusters_beyond() {
+    const CLUSTER: u64 = 64 * KIB;
+    let dir = TempDir::new("qcow2-freed");
+    let Some((image, mirror)) = thin_clone_on_disk(&dir, 9) else {
+        return;
+    };
     let fe = Frontend::start(&image, &[]);
     let mut c = Client::connect(fe.socket()).unwrap();
-    let queue = c.queue(0);
-    let mut m = Mirrored {
-        queue,
-        mirror: std::fs::OpenOptions::new()
-            .write(true)
-            .read(true)
-            .open(&mirror)
-            .unwrap(),
-        discard_zeroes: true,
-    };
+    let mut m = Mirrored::new(c.queue(0), &mirror, true);
     // Four clusters, each a 4 KiB write into the base's data: whole-cluster writes through
     // O_DIRECT, at host clusters past the size imago knows.
     for i in 0..4u64 {
@@ -799,6 +849,92 @@ fn a_freed_cluster_allocated_again_in_place_keeps_the_clusters_beyond() {
         meta.len()
     );
     println!("a freed cluster allocated again in place: every cluster reads back, check clean, compare identical; file {} bytes, {allocated} allocated, image end {end}", meta.len());
+}
+
+/// A thin clone whose file cannot be extended ahead of its O_DIRECT cluster writes (a file-size
+/// limit, `RLIMIT_FSIZE`, set on the iothread below the extension): the first cluster write is
+/// undone and it and every allocation after it run in place. Every write under the limit reads
+/// back; the first allocation past it fails with IOERR alone (a write meeting the limit must not
+/// kill the iothread with `SIGXFSZ`: the frontend would hand the request to the next one), the
+/// disk serves on, and the image is clean and identical to a raw mirror.
+#[test]
+fn a_file_that_cannot_be_extended_ahead_allocates_in_place() {
+    const CLUSTER: u64 = 64 * KIB;
+    let dir = TempDir::new("qcow2-fsize");
+    let Some((image, mirror)) = thin_clone_on_disk(&dir, 13) else {
+        return;
+    };
+    let mut fe = Frontend::start(&image, &[]);
+    let iothreads = fe.iothread_pids();
+    assert!(!iothreads.is_empty(), "no iothread");
+    // Room for a few clusters beyond the metadata, far less than the extension ahead.
+    let limit = std::fs::metadata(&image).unwrap().len() + MIB;
+    for &pid in &iothreads {
+        let rlimit = libc::rlimit {
+            rlim_cur: limit,
+            rlim_max: limit,
+        };
+        // SAFETY: prlimit reads `rlimit` and, with a null old-limit pointer, writes nothing.
+        let rc = unsafe {
+            libc::prlimit(
+                pid as libc::pid_t,
+                libc::RLIMIT_FSIZE,
+                &rlimit,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    }
+    let mut c = Client::connect(fe.socket()).unwrap();
+    let mut m = Mirrored::new(c.queue(0), &mirror, true);
+    // Partial writes into the base's data, one cluster after another, until one meets the
+    // limit: every one before it succeeds.
+    let mut written = 0u64;
+    let refused = loop {
+        assert!(
+            written < 32,
+            "32 clusters written past a limit of 1 MiB more"
+        );
+        let offset = written * CLUSTER + 4 * KIB;
+        let data = pattern(written, 4096);
+        match m.queue.write_at(offset, &data) {
+            Ok(()) => {
+                use std::os::unix::fs::FileExt;
+                m.mirror.write_all_at(&data, offset).unwrap();
+                written += 1;
+            }
+            Err(errno) => break errno,
+        }
+    };
+    assert_eq!(refused, libc::EIO, "{}", errno_name(refused));
+    assert!(
+        written >= 4,
+        "only {written} clusters fitted under the limit"
+    );
+    // The disk serves on: the written clusters overwritten and read, the refused one reads as
+    // the base.
+    m.write(2 * KIB, &pattern(99, 2048));
+    ok("flush", m.queue.flush());
+    for i in 0..=written {
+        m.check(i * CLUSTER, CLUSTER as usize, &format!("cluster {i}"));
+    }
+    drop(c);
+    fe.assert_running("writes against a file-size limit");
+    assert_eq!(fe.iothread_pids(), iothreads, "the iothread was replaced");
+    let log = fe.stderr();
+    assert!(
+        log.contains("cannot be extended ahead of its allocations"),
+        "no cluster write met the limit (the image was not served through O_DIRECT?):\n{log}"
+    );
+    fe.finish();
+    let size = std::fs::metadata(&image).unwrap().len();
+    assert!(
+        size <= limit,
+        "the file ({size} bytes) grew past the limit ({limit})"
+    );
+    assert_check_clean(&image, false);
+    assert_same_as(&image, &mirror);
+    println!("a file-size limit 1 MiB past the image: {written} clusters allocated in place, the next write failed with EIO alone; check clean, compare identical");
 }
 
 /// A corrupt image whose first write sent imago 0.2.6's allocator into endless recursion (found
