@@ -43,6 +43,7 @@ use std::ops::Range;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use imago::file::File as ImagoFile;
@@ -58,6 +59,13 @@ pub struct Barrier {
     file: File,
     /// What is held, and where the pointer structures are.
     state: Mutex<Held>,
+    /// How far the file was last seen to reach (0: not looked yet; `u64::MAX`: not a regular
+    /// file). Only grows: the file is never shrunk while served.
+    reach: AtomicU64,
+    /// A file served writable, whose writes [`Barrier::check_write_at`] bounds: a qcow2 file,
+    /// or an external data file (its clusters sit at their guest offsets, inside the file:
+    /// `qemu-img create` makes it the disk's size, and a grow grows it).
+    bounded: bool,
 }
 
 /// The held writes and the pointer structures they must wait with.
@@ -97,6 +105,13 @@ struct Unlanded {
 
 /// An L1 entry's L2 table offset bits (the qcow2 specification's bits 9-55).
 const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+
+/// The farthest past a file's end a write into it may start. An operation of imago's puts its
+/// new clusters at the end of the file (tables first, then data, then the refcount structures
+/// that count them), so a write starts at most that far past the end; one farther out comes
+/// from a corrupt entry (a zero cluster's preallocated offset, a data cluster that a
+/// write-zeroes rewrites) and would grow the file to wherever the entry points.
+pub const WRITE_REACH: u64 = 1 << 30;
 
 impl Held {
     /// Whether a write of `len` bytes at `offset` meets a pointer structure, old or new.
@@ -349,6 +364,62 @@ impl Barrier {
         let mut held = lock(&self.state);
         held.unlanded.retain(|u| u.at != at);
     }
+
+    /// Refuses (`InvalidData`) a write into a writable file that would start more than
+    /// [`WRITE_REACH`] past the file's end: a corrupt entry's. The end is looked up again (a `statx`) only when the one
+    /// last seen is too short, since the iothread's own writes grow the file too.
+    pub fn check_write_at(&self, offset: u64) -> io::Result<()> {
+        let within = |end: u64| offset <= end.saturating_add(WRITE_REACH);
+        if !self.bounded || within(self.reach.load(Ordering::Relaxed)) {
+            return Ok(());
+        }
+        let end = file_end(self.file.as_raw_fd())?;
+        self.reach.fetch_max(end, Ordering::Relaxed);
+        if within(end) {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "a write at byte {offset} of a file of {end} bytes, more than {WRITE_REACH} \
+                 past its end: a corrupt entry"
+            ),
+        ))
+    }
+
+    /// Records that the file reaches at least `end` (a write that ended there succeeded).
+    pub fn reached(&self, end: u64) {
+        self.reach.fetch_max(end, Ordering::Relaxed);
+    }
+}
+
+/// The size of the file `fd` is open on; `u64::MAX` for anything but a regular file (a block
+/// device's size never changes under a mapping). Only the type and size are asked for, and
+/// without a sync with a network file system's server: NFS writes a file's dirty pages back
+/// before it answers for its times.
+pub(crate) fn file_end(fd: RawFd) -> io::Result<u64> {
+    // SAFETY: `libc::statx` is plain integers, for which all zeros is a valid value.
+    let mut stat: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx writes only the buffer handed to it, which is ours and of its type; the
+    // empty path with AT_EMPTY_PATH names `fd` itself, which the caller keeps open.
+    let rc = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_TYPE | libc::STATX_SIZE,
+            &mut stat,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let regular = u32::from(stat.stx_mode) & libc::S_IFMT == libc::S_IFREG;
+    Ok(if regular && stat.stx_mask & libc::STATX_SIZE != 0 {
+        stat.stx_size
+    } else {
+        u64::MAX
+    })
 }
 
 /// Takes the mutex, ignoring poisoning: the held state is consistent after every change.
@@ -480,6 +551,8 @@ impl MetadataFile {
             _ => Vec::new(),
         };
         let barrier = Arc::new(Barrier {
+            reach: AtomicU64::new(0),
+            bounded: writable,
             file: file.try_clone()?,
             state: Mutex::new(Held {
                 writes: Vec::new(),
@@ -566,6 +639,7 @@ impl Storage for MetadataFile {
     }
 
     unsafe fn pure_writev(&self, bufv: IoVector<'_>, offset: u64) -> io::Result<()> {
+        self.barrier.check_write_at(offset)?;
         let mut held = lock(&self.barrier.state);
         let end = offset.saturating_add(bufv.len());
         let meets = |at: u64| at < end && offset < at.saturating_add(8);
@@ -659,7 +733,10 @@ impl Storage for MetadataFile {
             // SAFETY: the caller's guarantees for this call are passed on unchanged.
             return unsafe { self.inner.pure_write_zeroes(offset, length) };
         }
-        zero_file_range(&self.barrier.file, meta.len(), offset, length)
+        let end = meta.len();
+        self.barrier.reached(end);
+        self.barrier.check_write_at(offset)?;
+        zero_file_range(&self.barrier.file, end, offset, length)
     }
 
     unsafe fn pure_write_allocated_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
@@ -1001,6 +1078,40 @@ mod tests {
         zero_file_range(&file, 0x5_0000, 0, 0x1_0000).unwrap();
         assert_eq!(file.metadata().unwrap().len(), 0x5_0000);
         assert_eq!(on_disk(&file, 0x2_0000, 0x1_0000), vec![0xaa; 0x1_0000]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Writes may start up to [`WRITE_REACH`] past a writable file's end, as imago's new
+    /// clusters do; one farther out is refused until the file has grown (behind the barrier's
+    /// back, as the iothread's own writes grow it); a read-only file is never bounded.
+    #[test]
+    fn writes_far_past_the_end_are_refused_until_the_file_reaches_them() {
+        let dir = std::env::temp_dir().join(format!("bp-reach-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, vec![0u8; 0x1_0000]).unwrap();
+        let open = |writable| {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(writable)
+                .open(&path)
+                .unwrap();
+            MetadataFile::open(file, writable, false).unwrap().1
+        };
+        let barrier = open(true);
+        let farthest = 0x1_0000 + WRITE_REACH;
+        assert!(barrier.check_write_at(0).is_ok());
+        assert!(barrier.check_write_at(farthest).is_ok());
+        let refused = barrier.check_write_at(farthest + 1).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::InvalidData, "{refused}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(0x2_0000)
+            .unwrap();
+        assert!(barrier.check_write_at(farthest + 1).is_ok());
+        assert!(open(false).check_write_at(u64::MAX).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

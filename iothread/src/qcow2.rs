@@ -34,7 +34,7 @@ use imago::raw::Raw;
 use imago::{FormatAccess, Mapping, ShallowMapping};
 use log::{error, info};
 
-use crate::metadata_file::{zero_range, Barrier, MetadataFile};
+use crate::metadata_file::{file_end, zero_range, Barrier, MetadataFile};
 
 /// The storage type of every layer.
 type ImagoFile = MetadataFile;
@@ -76,7 +76,7 @@ pub enum Qcow2Error {
         /// What does not match.
         problem: &'static str,
     },
-    /// qcow2 images with an external data file are not served (yet).
+    /// A backing file with an external data file is not served (yet; the image's own is).
     #[error("layer {0} keeps its data in an external data file, which is not supported")]
     ExternalDataFile(usize),
 }
@@ -215,7 +215,7 @@ enum ClusterBound {
         cluster_bits: u32,
     },
     /// Below the disk's virtual size: an external data file, where every cluster sits at its
-    /// guest offset.
+    /// guest offset (as QEMU and imago allocate them).
     InsideDisk,
 }
 
@@ -255,35 +255,6 @@ impl Layer {
 fn clusters_end(end: u64, cluster_bits: u32) -> u64 {
     let mask = (1u64 << cluster_bits.min(63)).saturating_sub(1);
     end.checked_add(mask).map_or(u64::MAX, |e| e & !mask)
-}
-
-/// The size of the file `fd` is open on; `u64::MAX` for anything but a regular file (a block
-/// device's size never changes under a mapping). Only the type and size are asked for, and
-/// without a sync with a network file system's server: NFS writes a file's dirty pages back
-/// before it answers for its times.
-fn file_end(fd: RawFd) -> io::Result<u64> {
-    // SAFETY: `libc::statx` is plain integers, for which all zeros is a valid value.
-    let mut stat: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: statx writes only the buffer handed to it, which is ours and of its type; the
-    // empty path with AT_EMPTY_PATH names `fd` itself, which the chain keeps open.
-    let rc = unsafe {
-        libc::statx(
-            fd,
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
-            libc::STATX_TYPE | libc::STATX_SIZE,
-            &mut stat,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let regular = u32::from(stat.stx_mode) & libc::S_IFMT == libc::S_IFREG;
-    Ok(if regular && stat.stx_mask & libc::STATX_SIZE != 0 {
-        stat.stx_size
-    } else {
-        u64::MAX
-    })
 }
 
 /// A qcow2 image with its backing chain, opened on fds the frontend sent.
@@ -542,7 +513,9 @@ impl Qcow2Image {
     /// own end (a corrupt or truncated image), or an external data file past the disk's size,
     /// is an error of the image (`InvalidData`), for a write as for a read: a write there
     /// would grow the file to wherever the entry points; an extent stops at the last cluster
-    /// that does not. So a cluster allocated ahead maps only once the file reaches it.
+    /// that does not. So a cluster allocated ahead maps only once the file reaches it. (What
+    /// imago writes itself — zeros into part of a cluster, a preallocated zero cluster written
+    /// in place — is bounded by the metadata file instead: [`Barrier::check_write_at`].)
     pub fn map(&self, offset: u64, max_len: u64) -> io::Result<Extent> {
         let (mapping, len) = self.top.get_mapping(offset, max_len)?;
         let len = len.min(max_len);
@@ -657,13 +630,41 @@ impl Qcow2Image {
             .ok_or_else(|| io::Error::other("allocation outside the image's files"))?;
         // Dropping `allocation` on an error releases the prepared cluster: the old mapping
         // stays.
+        self.check_allocation(&allocation)?;
         write(fd, allocation.host_offset, allocation.len)?;
+        let end = allocation.host_offset.saturating_add(allocation.len);
         if let Some(file) = self.layers.get(allocation.layer) {
-            file.reached(allocation.host_offset.saturating_add(allocation.len));
+            file.reached(end);
+        }
+        if allocation.layer == 0 {
+            self.barrier.reached(end);
         }
         let len = allocation.len;
         self.commit_allocation(allocation)?;
         Ok(len)
+    }
+
+    /// Refuses an allocation whose data would land where no cluster of the image can be: a
+    /// zero cluster's preallocated offset that a corrupt entry put far past the file's end
+    /// (imago writes into it in place), or past the disk's size in an external data file.
+    fn check_allocation(&self, allocation: &Allocation) -> io::Result<()> {
+        let bound = self.layers.get(allocation.layer).map(|l| l.bound);
+        match bound {
+            Some(ClusterBound::InsideFile { .. }) => {
+                self.barrier.check_write_at(allocation.host_offset)
+            }
+            Some(ClusterBound::InsideDisk) if allocation.host_offset >= self.top.size() => {
+                Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "an allocation at byte {} of the data file, past the disk's size: a \
+                         corrupt entry",
+                        allocation.host_offset
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Prepares an allocating write of (at most) the `len` bytes at guest offset `offset`, a

@@ -500,8 +500,11 @@ fn a_broken_l2_entry_fails_only_the_request_that_meets_it() {
         let l2 = be64(be64(40)) & offsets;
         assert_ne!(l2, 0, "{name}: qemu-io allocated no L2 table");
         // The second cluster's entry: "copied" (bit 63) and 1 TiB into a file of a few hundred
-        // KiB (a data file of the disk's size).
-        file.write_all_at(&((1u64 << 63) | (1u64 << 40)).to_be_bytes(), l2 + 8)
+        // KiB (a data file of the disk's size); the third's the same as a zero cluster (bit 0)
+        // preallocated there, which reads as zeros and is written in place.
+        let far = (1u64 << 63) | (1u64 << 40);
+        file.write_all_at(&far.to_be_bytes(), l2 + 8).unwrap();
+        file.write_all_at(&(far | 1).to_be_bytes(), l2 + 16)
             .unwrap();
         drop(file);
         let data_path = data_path.unwrap_or(&image);
@@ -519,17 +522,47 @@ fn a_broken_l2_entry_fails_only_the_request_that_meets_it() {
             .read_at(65536, 4096)
             .expect_err("a read through the broken entry succeeded");
         assert_eq!(err, libc::EIO, "{name}: {}", errno_name(err));
-        // A write through it fails too, rather than grow the file to 1 TiB.
+        // Writes through it fail too, rather than grow the file to 1 TiB: a write, a
+        // write-zeroes of part of the cluster (imago writes zeros there), and a part or the
+        // whole of the preallocated zero cluster, which reads as zeros meanwhile.
         let size = std::fs::metadata(data_path).unwrap().len();
-        let err = q
-            .write_at(65536 + 4096, &pattern(5, 4096))
-            .expect_err("a write through the broken entry succeeded");
-        assert_eq!(err, libc::EIO, "{name}: {}", errno_name(err));
-        assert_eq!(
-            std::fs::metadata(data_path).unwrap().len(),
-            size,
-            "{name}: the write through the broken entry grew the file"
+        assert_same_data(
+            &format!("{name}: the preallocated zero cluster"),
+            &ok("read", q.read_at(2 * 65536, 65536)),
+            &vec![0; 65536],
         );
+        for op in [
+            Op::Write {
+                offset: 65536 + 4096,
+                buf: 0,
+                len: 4096,
+            },
+            Op::WriteZeroes {
+                offset: 65536 + 8192,
+                len: 4096,
+                unmap: false,
+            },
+            Op::Write {
+                offset: 2 * 65536 + 4096,
+                buf: 0,
+                len: 4096,
+            },
+            Op::Write {
+                offset: 2 * 65536,
+                buf: 0,
+                len: 65536,
+            },
+        ] {
+            let err = q
+                .run(&op)
+                .expect_err(&format!("{name}: {op:?} through a broken entry succeeded"));
+            assert_eq!(err, libc::EIO, "{name}: {op:?}: {}", errno_name(err));
+            assert_eq!(
+                std::fs::metadata(data_path).unwrap().len(),
+                size,
+                "{name}: {op:?} through the broken entry grew the file"
+            );
+        }
         // The disk goes on: other clusters read and write, the first one still reads.
         let data = pattern(77, 8192);
         ok("write elsewhere", q.write_at(4 * MIB, &data));
