@@ -10,7 +10,8 @@ use std::os::unix::fs::FileExt;
 
 use crate::be;
 
-/// The most bytes of L1 table read (QEMU's limit on an L1 table, 32 MiB).
+/// The most bytes of an L1 or refcount table read (QEMU's limit on an L1 table, imago's on
+/// both: 32 MiB).
 const MAX_L1_BYTES: u64 = 32 << 20;
 
 /// The offset bits of an L1 or refcount table entry (the low 9 bits are reserved, the top
@@ -18,10 +19,17 @@ const MAX_L1_BYTES: u64 = 32 << 20;
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 
 /// Why the qcow2 image in `file` must not be written to, if it must not: its refcounts miss
-/// its header ([`header_is_refcounted`]), or its L2 tables are not each named once and counted
-/// ([`l2_tables_are_counted_once`]).
+/// its header ([`header_is_refcounted`]), its L2 tables are not each named once and counted
+/// ([`l2_tables_are_counted_once`]), or its tables name clusters past the end of the file
+/// ([`tables_lie_inside_the_file`]).
 pub fn unwritable(file: &File) -> Option<&'static str> {
-    if !header_is_refcounted(file) {
+    if !tables_lie_inside_the_file(file) {
+        Some(
+            "an L1 or refcount table entry of the image names a cluster past the end of the \
+             file (a truncated or corrupt image: `qemu-img check -r all` repairs it); refusing \
+             to write to it",
+        )
+    } else if !header_is_refcounted(file) {
         Some(
             "the image's refcounts do not cover its header (a corrupt refcount table: \
              `qemu-img check -r all` repairs it); refusing to write to it",
@@ -59,33 +67,9 @@ pub fn l2_tables_are_counted_once(file: &File) -> bool {
     let Some(mut refcounts) = Refcounts::new(file) else {
         return false;
     };
-    let mut header = [0u8; 48];
-    if file.read_exact_at(&mut header, 0).is_err() {
-        return false;
-    }
-    let (Some(l1_size), Some(l1_offset)) = (be::<4>(&header, 36), be::<8>(&header, 40)) else {
+    let Some(mut tables) = l2_tables(file) else {
         return false;
     };
-    let Some(l1_bytes) = l1_size.checked_mul(8).filter(|&n| n <= MAX_L1_BYTES) else {
-        return false;
-    };
-    let mut l1 = vec![0u8; blkplane_proto::usize_from(l1_bytes)];
-    // What lies past the end of the file reads as zeros: no L2 table.
-    let mut read = 0usize;
-    while let Some(rest) = l1.get_mut(read..).filter(|rest| !rest.is_empty()) {
-        match file.read_at(rest, l1_offset.saturating_add(read as u64)) {
-            Ok(0) => break,
-            Ok(n) => read = read.saturating_add(n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
-        }
-    }
-    let mut tables: Vec<u64> = l1
-        .chunks_exact(8)
-        .filter_map(|entry| be::<8>(entry, 0))
-        .map(|entry| entry & OFFSET_MASK)
-        .filter(|&offset| offset != 0)
-        .collect();
     let named = tables.len();
     tables.sort_unstable();
     tables.dedup();
@@ -97,6 +81,75 @@ pub fn l2_tables_are_counted_once(file: &File) -> bool {
     tables
         .iter()
         .all(|&offset| refcounts.of(offset >> cluster_bits).is_some_and(|n| n != 0))
+}
+
+/// Whether every L2 table the L1 table of the qcow2 image in `file` names, and every refcount
+/// block its refcount table names, starts inside the file (always so for a block device, whose
+/// size is not the file's).
+///
+/// imago reads what lies past the end as zeros, but writes such a table back where the entry
+/// points: the iothread refuses a write that far out (a corrupt entry's), so a table there
+/// would stay unwritable and fail every later write-back of the disk; and before it did, the
+/// write grew the file to wherever the entry pointed.
+pub fn tables_lie_inside_the_file(file: &File) -> bool {
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    if !meta.file_type().is_file() {
+        return true;
+    }
+    let end = meta.len();
+    let (Some(l2), Some(blocks)) = (l2_tables(file), refcount_blocks(file)) else {
+        return false;
+    };
+    l2.iter().chain(&blocks).all(|&offset| offset < end)
+}
+
+/// The offsets of the L2 tables the L1 table of the qcow2 image in `file` names (0 entries
+/// left out); `None` if the header cannot say or the table is larger than QEMU allows.
+fn l2_tables(file: &File) -> Option<Vec<u64>> {
+    let mut header = [0u8; 48];
+    file.read_exact_at(&mut header, 0).ok()?;
+    let l1_size = be::<4>(&header, 36)?;
+    let l1_offset = be::<8>(&header, 40)?;
+    let l1_bytes = l1_size.checked_mul(8).filter(|&n| n <= MAX_L1_BYTES)?;
+    table_entries(file, l1_offset, l1_bytes)
+}
+
+/// The offsets of the refcount blocks the refcount table of the qcow2 image in `file` names (0
+/// entries left out); `None` if the header cannot say or the table is larger than imago allows.
+fn refcount_blocks(file: &File) -> Option<Vec<u64>> {
+    let mut header = [0u8; 64];
+    file.read_exact_at(&mut header, 0).ok()?;
+    let cluster_bits = be::<4>(&header, 20).filter(|bits| (9..=21).contains(bits))?;
+    let table_offset = be::<8>(&header, 48)?;
+    let table_bytes = be::<4>(&header, 56)?
+        .checked_mul(1u64 << cluster_bits)
+        .filter(|&n| n <= MAX_L1_BYTES)?;
+    table_entries(file, table_offset, table_bytes)
+}
+
+/// The nonzero offsets of the `bytes / 8` big-endian entries of a table at `offset` of
+/// `file` (what lies past the end of the file reads as zeros: no entry).
+fn table_entries(file: &File, offset: u64, bytes: u64) -> Option<Vec<u64>> {
+    let mut table = vec![0u8; blkplane_proto::usize_from(bytes)];
+    let mut read = 0usize;
+    while let Some(rest) = table.get_mut(read..).filter(|rest| !rest.is_empty()) {
+        match file.read_at(rest, offset.saturating_add(read as u64)) {
+            Ok(0) => break,
+            Ok(n) => read = read.saturating_add(n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    Some(
+        table
+            .chunks_exact(8)
+            .filter_map(|entry| be::<8>(entry, 0))
+            .map(|entry| entry & OFFSET_MASK)
+            .filter(|&offset| offset != 0)
+            .collect(),
+    )
 }
 
 /// Reads refcounts of the image's clusters, keeping the refcount block it read last.
@@ -272,6 +325,40 @@ mod tests {
             &["create", "-q", "-f", "qcow2", empty.to_str().unwrap(), "1G"],
         );
         assert_eq!(unwritable(&File::open(&empty).unwrap()), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn tables_named_past_the_end_of_the_file_make_an_image_unwritable() {
+        let dir = std::env::temp_dir().join(format!("bp-past-end-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = image(&dir);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        assert!(tables_lie_inside_the_file(&file));
+        // The first cluster past the file's end (64 KiB clusters), with the flags an entry in
+        // use carries.
+        let past = file.metadata().unwrap().len().next_multiple_of(1 << 16);
+        let l1 = read_u64(&file, 40);
+        let flags = read_u64(&file, l1) & !OFFSET_MASK;
+        // An L2 table there for 2 GiB, then a refcount block there for the second 2 GiB of
+        // clusters the first block does not cover.
+        for at in [l1 + 32, read_u64(&file, 48) + 8] {
+            file.write_all_at(&(flags | past).to_be_bytes(), at)
+                .unwrap();
+            assert!(!tables_lie_inside_the_file(&file), "entry at {at}");
+            assert!(
+                unwritable(&file).is_some_and(|why| why.contains("past the end of the file")),
+                "entry at {at}: {:?}",
+                unwritable(&file)
+            );
+            file.write_all_at(&0u64.to_be_bytes(), at).unwrap();
+            assert_eq!(unwritable(&file), None);
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -60,12 +60,15 @@ pub struct Barrier {
     /// What is held, and where the pointer structures are.
     state: Mutex<Held>,
     /// How far the file was last seen to reach (0: not looked yet; `u64::MAX`: not a regular
-    /// file). Only grows: the file is never shrunk while served.
+    /// file). Only grows (a file cut shorter only loosens the bound).
     reach: AtomicU64,
-    /// A file served writable, whose writes [`Barrier::check_write_at`] bounds: a qcow2 file,
-    /// or an external data file (its clusters sit at their guest offsets, inside the file:
-    /// `qemu-img create` makes it the disk's size, and a grow grows it).
+    /// A qcow2 file served writable, whose writes [`Barrier::check_write_at`] holds to
+    /// [`WRITE_REACH`] past its end.
     bounded: bool,
+    /// The size of the disk whose external data file this is (`u64::MAX`: not one): its
+    /// clusters sit at their guest offsets, wherever the file ends (it may be shorter than
+    /// the disk), so writes are held below this instead.
+    disk_size: AtomicU64,
 }
 
 /// The held writes and the pointer structures they must wait with.
@@ -106,10 +109,11 @@ struct Unlanded {
 /// An L1 entry's L2 table offset bits (the qcow2 specification's bits 9-55).
 const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 
-/// The farthest past a file's end a write into it may start. An operation of imago's puts its
-/// new clusters at the end of the file (tables first, then data, then the refcount structures
-/// that count them), so a write starts at most that far past the end; one farther out comes
-/// from a corrupt entry (a zero cluster's preallocated offset, a data cluster that a
+/// The farthest past a qcow2 file's end a write into it may start. imago's allocator hands out
+/// the first clusters its refcounts leave free — a hole inside the file or its end — so an
+/// operation's new clusters (tables, data, the refcount structures that count them; imago
+/// caps its L1 and refcount tables at 32 MiB) start well within this; a write farther out
+/// comes from a corrupt entry (a zero cluster's preallocated offset, a data cluster that a
 /// write-zeroes rewrites) and would grow the file to wherever the entry points.
 pub const WRITE_REACH: u64 = 1 << 30;
 
@@ -365,10 +369,21 @@ impl Barrier {
         held.unlanded.retain(|u| u.at != at);
     }
 
-    /// Refuses (`InvalidData`) a write into a writable file that would start more than
-    /// [`WRITE_REACH`] past the file's end: a corrupt entry's. The end is looked up again (a `statx`) only when the one
-    /// last seen is too short, since the iothread's own writes grow the file too.
+    /// Refuses (`InvalidData`) a write that only a corrupt entry sends there: into a writable
+    /// qcow2 file, one starting more than [`WRITE_REACH`] past the file's end (looked up again,
+    /// with a `statx`, only when the end last seen is too short: the iothread's own writes
+    /// grow the file too); into an external data file, one starting past the disk's size.
     pub fn check_write_at(&self, offset: u64) -> io::Result<()> {
+        let disk_size = self.disk_size.load(Ordering::Relaxed);
+        if offset >= disk_size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "a write at byte {offset} of the data file, past the disk's size \
+                     ({disk_size}): a corrupt entry"
+                ),
+            ));
+        }
         let within = |end: u64| offset <= end.saturating_add(WRITE_REACH);
         if !self.bounded || within(self.reach.load(Ordering::Relaxed)) {
             return Ok(());
@@ -390,6 +405,12 @@ impl Barrier {
     /// Records that the file reaches at least `end` (a write that ended there succeeded).
     pub fn reached(&self, end: u64) {
         self.reach.fetch_max(end, Ordering::Relaxed);
+    }
+
+    /// Makes this the external data file of a disk of `size` bytes (again after a grow): no
+    /// write may start at or past it.
+    pub fn hold_below_disk_size(&self, size: u64) {
+        self.disk_size.store(size, Ordering::Relaxed);
     }
 }
 
@@ -552,7 +573,8 @@ impl MetadataFile {
         };
         let barrier = Arc::new(Barrier {
             reach: AtomicU64::new(0),
-            bounded: writable,
+            bounded: writable && qcow2,
+            disk_size: AtomicU64::new(u64::MAX),
             file: file.try_clone()?,
             state: Mutex::new(Held {
                 writes: Vec::new(),
@@ -1081,9 +1103,10 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// Writes may start up to [`WRITE_REACH`] past a writable file's end, as imago's new
+    /// Writes may start up to [`WRITE_REACH`] past a writable qcow2 file's end, as imago's new
     /// clusters do; one farther out is refused until the file has grown (behind the barrier's
-    /// back, as the iothread's own writes grow it); a read-only file is never bounded.
+    /// back, as the iothread's own writes grow it); a read-only file is never bounded, an
+    /// external data file by the disk's size.
     #[test]
     fn writes_far_past_the_end_are_refused_until_the_file_reaches_them() {
         let dir = std::env::temp_dir().join(format!("bp-reach-{}", std::process::id()));
@@ -1096,7 +1119,7 @@ mod tests {
                 .write(writable)
                 .open(&path)
                 .unwrap();
-            MetadataFile::open(file, writable, false).unwrap().1
+            MetadataFile::open(file, writable, true).unwrap().1
         };
         let barrier = open(true);
         let farthest = 0x1_0000 + WRITE_REACH;
@@ -1111,7 +1134,12 @@ mod tests {
             .set_len(0x2_0000)
             .unwrap();
         assert!(barrier.check_write_at(farthest + 1).is_ok());
-        assert!(open(false).check_write_at(u64::MAX).is_ok());
+        assert!(open(false).check_write_at(1 << 60).is_ok());
+        // An external data file: below the disk's size, however short the file.
+        let data = open(false);
+        data.hold_below_disk_size(2 * WRITE_REACH);
+        assert!(data.check_write_at(2 * WRITE_REACH - 512).is_ok());
+        assert!(data.check_write_at(2 * WRITE_REACH).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -265,6 +265,8 @@ pub struct Qcow2Image {
     raw_data_file: Option<RawFd>,
     /// The image file's held pointer writes, applied after each write-back of the caches.
     barrier: Arc<Barrier>,
+    /// The external data file's, which holds writes below the disk's size.
+    data_barrier: Option<Arc<Barrier>>,
     layers: Vec<Layer>,
     writable: bool,
     /// Bounce buffer of compressed reads, grown to the largest one seen.
@@ -329,6 +331,7 @@ impl Qcow2Image {
         // Built from the bottom up: each layer becomes the next one's backing.
         let mut below: Option<FormatAccess<ImagoFile>> = None;
         let mut top_barrier = None;
+        let mut data_barrier: Option<Arc<Barrier>> = None;
         let mut files: Vec<(usize, File, LayerFormat, bool)> = backing
             .into_iter()
             .enumerate()
@@ -376,8 +379,9 @@ impl Qcow2Image {
                     match (qcow2.requires_external_data_file(), layer, data_file.take()) {
                         (true, 0, Some(data)) => {
                             fds.push(data.as_raw_fd());
-                            let (data, _) = MetadataFile::open(data, layer_writable, false)
+                            let (data, barrier) = MetadataFile::open(data, layer_writable, false)
                                 .map_err(open_error)?;
+                            data_barrier = Some(barrier);
                             qcow2.set_data_file(Some(data));
                         }
                         (true, 0, None) => {
@@ -475,6 +479,9 @@ impl Qcow2Image {
             .get(1)
             .filter(|l| l.top && has_raw_external_data(barrier.file_ref()))
             .map(|l| l.fd);
+        if let Some(data) = &data_barrier {
+            data.hold_below_disk_size(top.size());
+        }
         info!(
             "qcow2 image of {} bytes, {} backing file(s), {}",
             top.size(),
@@ -485,6 +492,7 @@ impl Qcow2Image {
             top,
             raw_data_file,
             barrier,
+            data_barrier,
             layers,
             writable,
             bounce: Vec::new(),
@@ -957,6 +965,9 @@ impl Qcow2Image {
         }
         self.top
             .resize_grow(size, imago::format::PreallocateMode::None)?;
+        if let Some(data) = &self.data_barrier {
+            data.hold_below_disk_size(self.top.size());
+        }
         self.write_back()
     }
 

@@ -227,6 +227,48 @@ fn external_data_files_hold_the_data() {
     }
 }
 
+/// An external data file holds each cluster at its guest offset, wherever the file ends: one
+/// shorter than the disk (an empty file handed to `qemu-img create` with `data_file` kept, or
+/// made by another tool) takes writes anywhere in the disk, however far past its end.
+#[test]
+fn a_data_file_shorter_than_the_disk_takes_writes_anywhere_in_it() {
+    const SIZE: u64 = 3 << 30;
+    let dir = TempDir::new("qcow2-short-data");
+    let data = dir.join("short.data");
+    let options = format!("data_file={}", data.display());
+    let image = create_qcow2(&dir.join("short.qcow2"), &options, SIZE);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let fe = Frontend::start(&image, &[]);
+    let mut c = Client::connect(fe.socket()).unwrap();
+    let q = c.queue(0);
+    // Part of a cluster 2.5 GiB into an empty file: imago fills the rest of the cluster
+    // with zeros there, then the guest's data goes in.
+    let at = (5u64 << 29) + 4096;
+    let written = pattern(3, 4096);
+    ok(
+        "write far into the short data file",
+        q.write_at(at, &written),
+    );
+    ok("flush", q.flush());
+    assert_same_data("read back", &ok("read", q.read_at(at, 4096)), &written);
+    assert_same_data(
+        "the rest of its cluster",
+        &ok("read", q.read_at(at - 4096, 4096)),
+        &vec![0; 4096],
+    );
+    drop(c);
+    fe.finish();
+    assert_check_clean(&image, false);
+    println!(
+        "a data file of 0 bytes under a 3 GiB disk: a write 2.5 GiB in reads back, check clean"
+    );
+}
+
 #[test]
 fn compressed_clusters_are_read_and_rewritten() {
     let dir = TempDir::new("qcow2c");
