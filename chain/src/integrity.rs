@@ -14,9 +14,11 @@ use crate::be;
 /// both: 32 MiB).
 const MAX_L1_BYTES: u64 = 32 << 20;
 
-/// The offset bits of an L1 or refcount table entry (the low 9 bits are reserved, the top
-/// ones flags).
+/// The offset bits of an L1 table entry (the low 9 bits are reserved, the top ones flags).
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+
+/// The offset bits of a refcount table entry (the low 9 bits are reserved; no flags).
+const REFCOUNT_TABLE_OFFSET_MASK: u64 = !0x1ff;
 
 /// Why the qcow2 image in `file` must not be written to, if it must not: its refcounts miss
 /// its header ([`header_is_refcounted`]), its L2 tables are not each named once and counted
@@ -25,9 +27,10 @@ const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 pub fn unwritable(file: &File) -> Option<&'static str> {
     if !tables_lie_inside_the_file(file) {
         Some(
-            "an L1 or refcount table entry of the image names a cluster past the end of the \
-             file (a truncated or corrupt image: `qemu-img check -r all` repairs it); refusing \
-             to write to it",
+            "an L1 or refcount table entry of the image names a table past the end of the file \
+             (a truncated or corrupt image: `qemu-img check -r all` repairs a refcount block \
+             there; an L2 table there needs the file grown back or the image converted with \
+             `qemu-img convert`); refusing to write to it",
         )
     } else if !header_is_refcounted(file) {
         Some(
@@ -91,16 +94,19 @@ pub fn l2_tables_are_counted_once(file: &File) -> bool {
 /// points: the iothread refuses a write that far out (a corrupt entry's), so a table there
 /// would stay unwritable and fail every later write-back of the disk; and before it did, the
 /// write grew the file to wherever the entry pointed.
+///
+/// Tables it cannot read (a header that does not say, a table larger than imago allows) are
+/// left to the other checks and to imago, which refuse them with their own reasons.
 pub fn tables_lie_inside_the_file(file: &File) -> bool {
     let Ok(meta) = file.metadata() else {
-        return false;
+        return true;
     };
     if !meta.file_type().is_file() {
         return true;
     }
     let end = meta.len();
     let (Some(l2), Some(blocks)) = (l2_tables(file), refcount_blocks(file)) else {
-        return false;
+        return true;
     };
     l2.iter().chain(&blocks).all(|&offset| offset < end)
 }
@@ -113,7 +119,7 @@ fn l2_tables(file: &File) -> Option<Vec<u64>> {
     let l1_size = be::<4>(&header, 36)?;
     let l1_offset = be::<8>(&header, 40)?;
     let l1_bytes = l1_size.checked_mul(8).filter(|&n| n <= MAX_L1_BYTES)?;
-    table_entries(file, l1_offset, l1_bytes)
+    table_entries(file, l1_offset, l1_bytes, OFFSET_MASK)
 }
 
 /// The offsets of the refcount blocks the refcount table of the qcow2 image in `file` names (0
@@ -126,12 +132,12 @@ fn refcount_blocks(file: &File) -> Option<Vec<u64>> {
     let table_bytes = be::<4>(&header, 56)?
         .checked_mul(1u64 << cluster_bits)
         .filter(|&n| n <= MAX_L1_BYTES)?;
-    table_entries(file, table_offset, table_bytes)
+    table_entries(file, table_offset, table_bytes, REFCOUNT_TABLE_OFFSET_MASK)
 }
 
-/// The nonzero offsets of the `bytes / 8` big-endian entries of a table at `offset` of
-/// `file` (what lies past the end of the file reads as zeros: no entry).
-fn table_entries(file: &File, offset: u64, bytes: u64) -> Option<Vec<u64>> {
+/// The nonzero offsets (`mask`ed) of the `bytes / 8` big-endian entries of a table at `offset`
+/// of `file` (what lies past the end of the file reads as zeros: no entry).
+fn table_entries(file: &File, offset: u64, bytes: u64, mask: u64) -> Option<Vec<u64>> {
     let mut table = vec![0u8; blkplane_proto::usize_from(bytes)];
     let mut read = 0usize;
     while let Some(rest) = table.get_mut(read..).filter(|rest| !rest.is_empty()) {
@@ -146,7 +152,7 @@ fn table_entries(file: &File, offset: u64, bytes: u64) -> Option<Vec<u64>> {
         table
             .chunks_exact(8)
             .filter_map(|entry| be::<8>(entry, 0))
-            .map(|entry| entry & OFFSET_MASK)
+            .map(|entry| entry & mask)
             .filter(|&offset| offset != 0)
             .collect(),
     )
@@ -346,10 +352,9 @@ mod tests {
         let l1 = read_u64(&file, 40);
         let flags = read_u64(&file, l1) & !OFFSET_MASK;
         // An L2 table there for 2 GiB, then a refcount block there for the second 2 GiB of
-        // clusters the first block does not cover.
-        for at in [l1 + 32, read_u64(&file, 48) + 8] {
-            file.write_all_at(&(flags | past).to_be_bytes(), at)
-                .unwrap();
+        // clusters the first block does not cover (its entries carry no flags).
+        for (at, entry) in [(l1 + 32, flags | past), (read_u64(&file, 48) + 8, past)] {
+            file.write_all_at(&entry.to_be_bytes(), at).unwrap();
             assert!(!tables_lie_inside_the_file(&file), "entry at {at}");
             assert!(
                 unwritable(&file).is_some_and(|why| why.contains("past the end of the file")),

@@ -65,9 +65,9 @@ pub struct Barrier {
     /// A qcow2 file served writable, whose writes [`Barrier::check_write_at`] holds to
     /// [`WRITE_REACH`] past its end.
     bounded: bool,
-    /// The size of the disk whose external data file this is (`u64::MAX`: not one): its
-    /// clusters sit at their guest offsets, wherever the file ends (it may be shorter than
-    /// the disk), so writes are held below this instead.
+    /// The end of the last cluster of the disk whose external data file this is (`u64::MAX`:
+    /// not one): its clusters sit at their guest offsets, wherever the file ends (it may be
+    /// shorter than the disk), so writes are held below this instead.
     disk_size: AtomicU64,
 }
 
@@ -372,15 +372,16 @@ impl Barrier {
     /// Refuses (`InvalidData`) a write that only a corrupt entry sends there: into a writable
     /// qcow2 file, one starting more than [`WRITE_REACH`] past the file's end (looked up again,
     /// with a `statx`, only when the end last seen is too short: the iothread's own writes
-    /// grow the file too); into an external data file, one starting past the disk's size.
+    /// grow the file too); into an external data file, one starting past the disk's last
+    /// cluster.
     pub fn check_write_at(&self, offset: u64) -> io::Result<()> {
         let disk_size = self.disk_size.load(Ordering::Relaxed);
         if offset >= disk_size {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
-                    "a write at byte {offset} of the data file, past the disk's size \
-                     ({disk_size}): a corrupt entry"
+                    "a write at byte {offset} of the data file, past the disk's last cluster \
+                     (which ends at {disk_size}): a corrupt entry"
                 ),
             ));
         }
@@ -407,10 +408,10 @@ impl Barrier {
         self.reach.fetch_max(end, Ordering::Relaxed);
     }
 
-    /// Makes this the external data file of a disk of `size` bytes (again after a grow): no
-    /// write may start at or past it.
-    pub fn hold_below_disk_size(&self, size: u64) {
-        self.disk_size.store(size, Ordering::Relaxed);
+    /// Makes this the external data file of a disk whose last cluster ends at `end` (again
+    /// after a grow): no write may start at or past it.
+    pub fn hold_below_disk_size(&self, end: u64) {
+        self.disk_size.store(end, Ordering::Relaxed);
     }
 }
 
@@ -1135,11 +1136,22 @@ mod tests {
             .unwrap();
         assert!(barrier.check_write_at(farthest + 1).is_ok());
         assert!(open(false).check_write_at(1 << 60).is_ok());
-        // An external data file: below the disk's size, however short the file.
-        let data = open(false);
-        data.hold_below_disk_size(2 * WRITE_REACH);
-        assert!(data.check_write_at(2 * WRITE_REACH - 512).is_ok());
-        assert!(data.check_write_at(2 * WRITE_REACH).is_err());
+        // An external data file (writable, not qcow2): below the disk's last cluster, however
+        // short the file.
+        let data = MetadataFile::open(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap(),
+            true,
+            false,
+        )
+        .unwrap()
+        .1;
+        data.hold_below_disk_size(4 * WRITE_REACH);
+        assert!(data.check_write_at(4 * WRITE_REACH - 512).is_ok());
+        assert!(data.check_write_at(4 * WRITE_REACH).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

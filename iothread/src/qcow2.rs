@@ -265,7 +265,8 @@ pub struct Qcow2Image {
     raw_data_file: Option<RawFd>,
     /// The image file's held pointer writes, applied after each write-back of the caches.
     barrier: Arc<Barrier>,
-    /// The external data file's, which holds writes below the disk's size.
+    /// The external data file's, which holds writes below the end of the disk's last cluster
+    /// (imago fills a last cluster the disk ends inside with zeros past the disk's size).
     data_barrier: Option<Arc<Barrier>>,
     layers: Vec<Layer>,
     writable: bool,
@@ -480,7 +481,7 @@ impl Qcow2Image {
             .filter(|l| l.top && has_raw_external_data(barrier.file_ref()))
             .map(|l| l.fd);
         if let Some(data) = &data_barrier {
-            data.hold_below_disk_size(top.size());
+            data.hold_below_disk_size(clusters_end(top.size(), cluster_bits));
         }
         info!(
             "qcow2 image of {} bytes, {} backing file(s), {}",
@@ -966,7 +967,7 @@ impl Qcow2Image {
         self.top
             .resize_grow(size, imago::format::PreallocateMode::None)?;
         if let Some(data) = &self.data_barrier {
-            data.hold_below_disk_size(self.top.size());
+            data.hold_below_disk_size(clusters_end(self.top.size(), self.cluster_bits));
         }
         self.write_back()
     }

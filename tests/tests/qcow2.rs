@@ -229,10 +229,12 @@ fn external_data_files_hold_the_data() {
 
 /// An external data file holds each cluster at its guest offset, wherever the file ends: one
 /// shorter than the disk (an empty file handed to `qemu-img create` with `data_file` kept, or
-/// made by another tool) takes writes anywhere in the disk, however far past its end.
+/// made by another tool) takes writes anywhere in the disk, however far past its end — up to
+/// the disk's last cluster, which the disk ends 4 KiB into (imago fills the rest of it with
+/// zeros, past the disk's size).
 #[test]
 fn a_data_file_shorter_than_the_disk_takes_writes_anywhere_in_it() {
-    const SIZE: u64 = 3 << 30;
+    const SIZE: u64 = (3 << 30) + 4096;
     let dir = TempDir::new("qcow2-short-data");
     let data = dir.join("short.data");
     let options = format!("data_file={}", data.display());
@@ -261,11 +263,37 @@ fn a_data_file_shorter_than_the_disk_takes_writes_anywhere_in_it() {
         &ok("read", q.read_at(at - 4096, 4096)),
         &vec![0; 4096],
     );
+    // The last cluster: the disk's 4 KiB of it written, then zeroed.
+    let last = pattern(4, 4096);
+    ok(
+        "write the disk's last 4 KiB",
+        q.write_at(SIZE - 4096, &last),
+    );
+    assert_same_data(
+        "the last 4 KiB",
+        &ok("read", q.read_at(SIZE - 4096, 4096)),
+        &last,
+    );
+    ok(
+        "write-zeroes over them",
+        q.run(&Op::WriteZeroes {
+            offset: SIZE - 4096,
+            len: 4096,
+            unmap: false,
+        }),
+    );
+    assert_same_data(
+        "the last 4 KiB zeroed",
+        &ok("read", q.read_at(SIZE - 4096, 4096)),
+        &vec![0; 4096],
+    );
+    ok("flush", q.flush());
     drop(c);
     fe.finish();
     assert_check_clean(&image, false);
     println!(
-        "a data file of 0 bytes under a 3 GiB disk: a write 2.5 GiB in reads back, check clean"
+        "a data file of 0 bytes under a 3 GiB + 4 KiB disk: a write 2.5 GiB in and the last \
+         4 KiB read back, check clean"
     );
 }
 
