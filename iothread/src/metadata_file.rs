@@ -68,7 +68,7 @@ pub struct Barrier {
     /// The end of the last cluster of the disk whose external data file this is (`u64::MAX`:
     /// not one): its clusters sit at their guest offsets, wherever the file ends (it may be
     /// shorter than the disk), so writes are held below this instead.
-    disk_size: AtomicU64,
+    disk_end: AtomicU64,
 }
 
 /// The held writes and the pointer structures they must wait with.
@@ -375,13 +375,13 @@ impl Barrier {
     /// grow the file too); into an external data file, one starting past the disk's last
     /// cluster.
     pub fn check_write_at(&self, offset: u64) -> io::Result<()> {
-        let disk_size = self.disk_size.load(Ordering::Relaxed);
-        if offset >= disk_size {
+        let disk_end = self.disk_end.load(Ordering::Relaxed);
+        if offset >= disk_end {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
                     "a write at byte {offset} of the data file, past the disk's last cluster \
-                     (which ends at {disk_size}): a corrupt entry"
+                     (which ends at {disk_end}): a corrupt entry"
                 ),
             ));
         }
@@ -410,8 +410,8 @@ impl Barrier {
 
     /// Makes this the external data file of a disk whose last cluster ends at `end` (again
     /// after a grow): no write may start at or past it.
-    pub fn hold_below_disk_size(&self, end: u64) {
-        self.disk_size.store(end, Ordering::Relaxed);
+    pub fn hold_below_disk_end(&self, end: u64) {
+        self.disk_end.store(end, Ordering::Relaxed);
     }
 }
 
@@ -575,7 +575,7 @@ impl MetadataFile {
         let barrier = Arc::new(Barrier {
             reach: AtomicU64::new(0),
             bounded: writable && qcow2,
-            disk_size: AtomicU64::new(u64::MAX),
+            disk_end: AtomicU64::new(u64::MAX),
             file: file.try_clone()?,
             state: Mutex::new(Held {
                 writes: Vec::new(),
@@ -1149,7 +1149,7 @@ mod tests {
         )
         .unwrap()
         .1;
-        data.hold_below_disk_size(4 * WRITE_REACH);
+        data.hold_below_disk_end(4 * WRITE_REACH);
         assert!(data.check_write_at(4 * WRITE_REACH - 512).is_ok());
         assert!(data.check_write_at(4 * WRITE_REACH).is_err());
         std::fs::remove_dir_all(&dir).unwrap();

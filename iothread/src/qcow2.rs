@@ -481,7 +481,7 @@ impl Qcow2Image {
             .filter(|l| l.top && has_raw_external_data(barrier.file_ref()))
             .map(|l| l.fd);
         if let Some(data) = &data_barrier {
-            data.hold_below_disk_size(clusters_end(top.size(), cluster_bits));
+            data.hold_below_disk_end(clusters_end(top.size(), cluster_bits));
         }
         info!(
             "qcow2 image of {} bytes, {} backing file(s), {}",
@@ -967,7 +967,7 @@ impl Qcow2Image {
         self.top
             .resize_grow(size, imago::format::PreallocateMode::None)?;
         if let Some(data) = &self.data_barrier {
-            data.hold_below_disk_size(clusters_end(self.top.size(), self.cluster_bits));
+            data.hold_below_disk_end(clusters_end(self.top.size(), self.cluster_bits));
         }
         self.write_back()
     }

@@ -287,6 +287,20 @@ fn a_data_file_shorter_than_the_disk_takes_writes_anywhere_in_it() {
         &ok("read", q.read_at(SIZE - 4096, 4096)),
         &vec![0; 4096],
     );
+    // Now a zero cluster that keeps its allocation: part of it written in place, the rest
+    // of the cluster zero-filled by imago from the disk's end on.
+    let part = pattern(5, 1024);
+    ok(
+        "write into the zeroed last cluster",
+        q.write_at(SIZE - 2048, &part),
+    );
+    let mut want = vec![0; 4096];
+    want[2048..3072].copy_from_slice(&part);
+    assert_same_data(
+        "the last 4 KiB after it",
+        &ok("read", q.read_at(SIZE - 4096, 4096)),
+        &want,
+    );
     ok("flush", q.flush());
     drop(c);
     fe.finish();
