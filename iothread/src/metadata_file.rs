@@ -1114,15 +1114,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("f");
         std::fs::write(&path, vec![0u8; 0x1_0000]).unwrap();
-        let open = |writable| {
+        let open = |writable, qcow2| {
             let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(writable)
                 .open(&path)
                 .unwrap();
-            MetadataFile::open(file, writable, true).unwrap().1
+            MetadataFile::open(file, writable, qcow2).unwrap().1
         };
-        let barrier = open(true);
+        let barrier = open(true, true);
         let farthest = 0x1_0000 + WRITE_REACH;
         assert!(barrier.check_write_at(0).is_ok());
         assert!(barrier.check_write_at(farthest).is_ok());
@@ -1135,20 +1135,10 @@ mod tests {
             .set_len(0x2_0000)
             .unwrap();
         assert!(barrier.check_write_at(farthest + 1).is_ok());
-        assert!(open(false).check_write_at(1 << 60).is_ok());
+        assert!(open(false, true).check_write_at(1 << 60).is_ok());
         // An external data file (writable, not qcow2): below the disk's last cluster, however
         // short the file.
-        let data = MetadataFile::open(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .unwrap(),
-            true,
-            false,
-        )
-        .unwrap()
-        .1;
+        let data = open(true, false);
         data.hold_below_disk_end(4 * WRITE_REACH);
         assert!(data.check_write_at(4 * WRITE_REACH - 512).is_ok());
         assert!(data.check_write_at(4 * WRITE_REACH).is_err());
